@@ -1,0 +1,3 @@
+from vlbatch.cli import main
+
+main()

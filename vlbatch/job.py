@@ -1,0 +1,160 @@
+"""The job: one typed object, validated when the YAML is loaded, passed down to every stage.
+
+Field names fixed by DESIGN.md: name, inputs, output, cache, model, tasks. Paths in the file
+are relative to the job file's folder; CLI overrides are relative to the current directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vlbatch.errors import JobFileError
+
+# Placeholders a prompt may use; any other brace is literal text (prompts often hold JSON).
+PROMPT_PLACEHOLDERS = ("text_layer", "source", "page")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Task(_Strict):
+    """One question asked of every page, with its own sampling settings."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    prompt: str = Field(min_length=1)
+    max_tokens: int = Field(default=1024, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks force a fixed output length with it
+
+    def render_prompt(self, **values: object) -> str:
+        """Substitute the known {placeholders} by name; leave every other brace as it is."""
+        text = self.prompt
+        for key in PROMPT_PLACEHOLDERS:
+            if key in values:
+                text = text.replace("{" + key + "}", str(values[key]))
+        return text
+
+    def uses(self, placeholder: str) -> bool:
+        return "{" + placeholder + "}" in self.prompt
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes this task's answers (prompt and sampling)."""
+        fields = self.model_dump(exclude={"name"})
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Render(_Strict):
+    """How pages become images: PDF DPI and the model's pixel budget (Qwen3-VL smart resize)."""
+
+    dpi: int = Field(default=150, ge=18, le=1200)
+    min_pixels: int = Field(default=64 * 32 * 32, ge=32 * 32)
+    max_pixels: int = Field(default=1280 * 32 * 32, ge=32 * 32)
+    workers: int = Field(default=0, ge=0)  # 0: one per CPU core
+    page_timeout_s: float = Field(default=120.0, gt=0)
+    pdf_password: str | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Render:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels must not exceed max_pixels")
+        return self
+
+
+class Engine(_Strict):
+    """vLLM engine settings (None: vLLM's own default)."""
+
+    kind: Literal["vllm", "fake"] = "vllm"  # fake: echoes, for trying a job without a model
+    max_model_len: int | None = Field(default=None, ge=64)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=64)
+    dtype: str = "auto"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    load_format: str = "auto"  # "dummy": the real architecture with random weights
+    enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
+    seed: int = 0
+    max_in_flight: int = Field(default=256, ge=1)  # requests handed to vLLM at once
+    cpu_kv_cache_gib: float = Field(default=2.0, gt=0)  # CPU build only
+    trust_remote_code: bool = False
+
+
+class Job(_Strict):
+    name: str = Field(min_length=1)
+    inputs: list[str] = Field(min_length=1)
+    output: Path
+    cache: Path = Path(".vlbatch-cache")
+    model: str = Field(min_length=1)
+    tasks: list[Task] = Field(min_length=1)
+    render: Render = Render()
+    engine: Engine = Engine()
+    max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    result_cache: bool = True
+    base_dir: Path = Field(default=Path("."), exclude=True)  # the job file's folder
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_task_names(cls, tasks: list[Task]) -> list[Task]:
+        names = [t.name for t in tasks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"task names must be unique; repeated: {', '.join(dupes)}")
+        return tasks
+
+    def model_path(self) -> str:
+        """The model as vLLM takes it: a local folder (relative to the job file) or a hub id."""
+        local = self.base_dir / self.model
+        return str(local.resolve()) if local.exists() else self.model
+
+    def config_hash(self) -> str:
+        dumped = self.model_dump(mode="json", exclude={"base_dir"})
+        return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _describe(error: dict) -> str:
+    where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"unknown field '{where}'"
+    if kind == "missing":
+        return f"missing required field '{where}'"
+    return f"field '{where}': {error['msg']}"
+
+
+def load_job(path: str | Path, *, output: str | None = None, cache: str | None = None) -> Job:
+    """Read and validate a job file; overrides come from the CLI (relative to the cwd)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise JobFileError(f"{path}: job file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobFileError(f"{path}: cannot read job file: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        reason = getattr(e, "problem", None) or str(e)
+        raise JobFileError(f"{path}: invalid YAML{where}: {reason}") from None
+    if not isinstance(raw, dict):
+        raise JobFileError(f"{path}: a job file must be a mapping of fields, got {type(raw).__name__}")
+    base = path.resolve().parent
+    try:
+        job = Job.model_validate({**raw, "base_dir": base})
+    except ValidationError as e:
+        problems = "; ".join(_describe(err) for err in e.errors())
+        raise JobFileError(f"{path}: {problems}") from None
+    updates: dict = {
+        "output": Path(output).resolve() if output else (base / job.output).resolve(),
+        "cache": Path(cache).resolve() if cache else (base / job.cache).resolve(),
+    }
+    return job.model_copy(update=updates)
+

@@ -1,0 +1,51 @@
+"""discover: the job's globs -> sources (path as matched, absolute path, size, sha256)."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str  # as the job's glob matched it (relative to the job folder when the glob is)
+    abs_path: str
+    size: int
+    sha256: str | None  # None when the file could not be read
+    read_error: str | None = None
+
+
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:
+    """(path as matched, absolute path) for every file the globs match, sorted, once each."""
+    found: dict[str, str] = {}
+    for pattern in patterns:
+        if os.path.isabs(pattern):
+            matches = [(m, m) for m in glob.glob(pattern, recursive=True)]
+        else:
+            matches = [(m, str(base_dir / m))
+                       for m in glob.glob(pattern, root_dir=base_dir, recursive=True)]
+        for shown, absolute in matches:
+            if os.path.isfile(absolute):
+                found.setdefault(os.path.realpath(absolute), shown)
+    return sorted(((shown, real) for real, shown in found.items()), key=lambda p: p[0])
+
+
+def discover(patterns: list[str], base_dir: Path) -> list[Source]:
+    sources = []
+    for shown, absolute in match_inputs(patterns, base_dir):
+        try:
+            sources.append(Source(shown, absolute, os.path.getsize(absolute), file_sha256(absolute)))
+        except OSError as e:
+            sources.append(Source(shown, absolute, 0, None, f"cannot read file: {e.strerror or e}"))
+    return sources

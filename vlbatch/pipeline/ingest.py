@@ -1,0 +1,150 @@
+"""ingest: files -> page metadata (cheap, no rendering) and rendered pages.
+
+`probe` reads page counts and sizes (PDF page boxes, image headers) so the plan can order
+requests before anything is rendered; `render_page` makes the image the model will see.
+Both run in worker processes (see workers.py) and return plain picklable values; a failure
+is returned as an error string, never raised, so one bad file never stops the run.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image
+
+from vlbatch.pipeline import imaging
+
+PDF_MAGIC = b"%PDF-"
+
+
+@dataclass(frozen=True)
+class PageSize:
+    page: int  # 1-based
+    width: int  # pixels at the job's DPI (PDF) or as stored (image), before the budget
+    height: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Probe:
+    kind: str  # "pdf" or "image"
+    pages: list[PageSize]
+    error: str | None = None  # the whole file failed: no pages
+
+
+@dataclass(frozen=True)
+class RenderedPage:
+    width: int
+    height: int
+    rgb: bytes  # the normalised image as the model will see it (width x height x 3)
+    text_layer: str | None
+    content_hash: str
+    phash: str
+
+    def image(self) -> Image.Image:
+        return Image.frombytes("RGB", (self.width, self.height), self.rgb)
+
+
+def file_kind(path: str) -> str:
+    with open(path, "rb") as f:
+        head = f.read(1024)
+    if PDF_MAGIC in head or path.lower().endswith(".pdf"):
+        return "pdf"
+    return "image"
+
+
+def _open_pdf(path: str, password: str | None):
+    import pymupdf
+
+    try:
+        doc = pymupdf.open(path, filetype="pdf")
+    except Exception as e:  # MuPDF's own reason: broken, empty, not a PDF
+        raise ValueError(f"cannot open PDF: {e}") from None
+    if doc.needs_pass:
+        if not password:
+            raise ValueError("encrypted PDF (no password given; set render.pdf_password)")
+        if not doc.authenticate(password):
+            raise ValueError("encrypted PDF: the password given does not open it")
+    return doc
+
+
+def _open_image(path: str) -> Image.Image:
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
+    try:
+        return Image.open(path)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"decompression bomb: {e}") from None
+    except Image.DecompressionBombWarning as e:
+        raise ValueError(f"decompression bomb: {e}") from None
+    except Exception as e:
+        raise ValueError(f"not a readable image or PDF: {e}") from None
+
+
+def probe(path: str, dpi: int, password: str | None) -> Probe:
+    """Page count and sizes, without rendering."""
+    try:
+        kind = file_kind(path)
+        if kind == "pdf":
+            with _open_pdf(path, password) as doc:
+                if doc.page_count == 0:
+                    return Probe(kind, [], "PDF has no pages")
+                pages = []
+                for i in range(doc.page_count):
+                    try:
+                        rect = doc[i].rect  # rotation applied
+                        w, h = rect.width * dpi / 72, rect.height * dpi / 72
+                        if not (w >= 1 and h >= 1) or not math.isfinite(w * h):
+                            pages.append(PageSize(i + 1, 0, 0, f"degenerate page box {rect}"))
+                        else:
+                            pages.append(PageSize(i + 1, round(w), round(h)))
+                    except Exception as e:
+                        pages.append(PageSize(i + 1, 0, 0, f"cannot read page: {e}"))
+                return Probe(kind, pages)
+        with _open_image(path) as image:
+            frames = getattr(image, "n_frames", 1) if image.format in ("TIFF", "MPO") else 1
+            pages = []
+            for frame in range(frames):
+                image.seek(frame)
+                w, h = image.size
+                if image.getexif().get(0x0112) in (5, 6, 7, 8):  # EXIF: rotated 90 degrees
+                    w, h = h, w
+                pages.append(PageSize(frame + 1, w, h))
+            return Probe(kind, pages)
+    except ValueError as e:
+        return Probe("unknown", [], str(e))
+    except Exception as e:  # anything a native library throws
+        return Probe("unknown", [], f"{type(e).__name__}: {e}")
+
+
+def _finish(image: Image.Image, text: str | None, min_pixels: int, max_pixels: int) -> RenderedPage:
+    image = imaging.fit_to_budget(imaging.to_rgb(image), min_pixels, max_pixels)
+    return RenderedPage(image.width, image.height, image.tobytes(), text,
+                        imaging.content_hash(image), imaging.perceptual_hash(image))
+
+
+def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixels: int,
+                password: str | None) -> RenderedPage:
+    """Render one page at the job's DPI, lowered when the page is larger than the pixel
+    budget (never rendered big and then shrunk), then fitted to the exact model size."""
+    if kind == "pdf":
+        import pymupdf
+
+        with _open_pdf(path, password) as doc:
+            pdf_page = doc[page - 1]
+            rect = pdf_page.rect
+            zoom = dpi / 72
+            h, w = imaging.smart_resize(round(rect.height * zoom), round(rect.width * zoom),
+                                        min_pixels, max_pixels)
+            zoom = min(zoom, max(w / rect.width, h / rect.height))  # render no larger than needed
+            pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
+                                      colorspace=pymupdf.csRGB)
+            image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+            text = pdf_page.get_text("text")
+        return _finish(image, text, min_pixels, max_pixels)
+    with _open_image(path) as image:
+        if page > 1:
+            image.seek(page - 1)
+        image.load()
+        return _finish(image, None, min_pixels, max_pixels)

@@ -1,0 +1,84 @@
+"""A bounded pool of worker processes for CPU work (probing and rendering pages).
+
+Built on pebble's ProcessPool: a call that runs past its time limit has its worker killed
+and replaced, and a worker that dies (a segfault in a native library) is replaced too; in
+both cases that call's result is an exception, and every other call goes on. Results come
+back in submission order with at most `lookahead` calls in flight, so memory stays flat
+however many pages a job has.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class CallTimedOut(Exception):
+    pass
+
+
+class WorkerDied(Exception):
+    pass
+
+
+def default_workers(configured: int) -> int:
+    return configured or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1)
+
+
+class WorkerPool:
+    """`imap(fn, items, args_of)` yields (item, result-or-exception) in order."""
+
+    def __init__(self, workers: int, timeout_s: float, lookahead: int | None = None):
+        from pebble import ProcessPool
+
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.lookahead = lookahead or 4 * workers
+        # spawn: the parent may hold threads (vLLM, torch); forking those is unsafe
+        self._pool = ProcessPool(max_workers=workers, context=multiprocessing.get_context("spawn"))
+
+    def imap(self, fn: Callable[..., Any], items: Iterable[T],
+             args_of: Callable[[T], tuple]) -> Iterator[tuple[T, Any]]:
+        from pebble import ProcessExpired
+
+        pending: deque = deque()
+        source = iter(items)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < self.lookahead:
+                try:
+                    item = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                pending.append((item, self._pool.schedule(fn, args=args_of(item),
+                                                          timeout=self.timeout_s)))
+            if not pending:
+                return
+            item, future = pending.popleft()
+            try:
+                result = future.result()
+            except FutureTimeout:
+                result = CallTimedOut(f"timeout: stopped after {self.timeout_s:g} s")
+            except ProcessExpired as e:
+                result = WorkerDied(f"worker process died (exit code {e.exitcode})")
+            except Exception as e:  # the function raised: its message is the reason
+                result = e
+            yield item, result
+
+    def close(self) -> None:
+        self._pool.stop()
+        self._pool.join(timeout=10)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
