@@ -1,0 +1,42 @@
+"""The engine interface: requests in (streamed), completions out (as they finish).
+
+The pipeline knows only this; vLLM (GPU or CPU build) sits behind it, and tests of other
+stages may put a fake behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from PIL import Image
+
+from vlbatch.job import Task
+
+
+@dataclass
+class Request:
+    request_id: str
+    image: Image.Image  # already at the size the model sees
+    text: str  # the task's prompt, placeholders filled
+    task: Task
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str | None
+    error: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+class Engine(Protocol):
+    def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
+        """Consume `feed` (None: nothing ready yet, keep the engine stepping) with a bounded
+        number of requests in flight; yield each completion as soon as it finishes. A request
+        the engine rejects comes back as a completion with `error` set."""
+        ...
+
+    def close(self) -> None: ...

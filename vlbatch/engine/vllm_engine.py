@@ -1,0 +1,126 @@
+"""vLLM behind the engine interface: the same code on the GPU build and the CPU build.
+
+Requests are fed to vLLM's LLMEngine with add_request/step, a bounded number in flight, so
+the engine is never handed one giant list and never drained between chunks. vLLM is
+imported here only, when an engine is started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+from vlbatch.engine.base import Completion, Request
+from vlbatch.engine.prompts import PromptBuilder
+from vlbatch.errors import JobCannotRunError
+from vlbatch.job import Job, Task
+
+log = logging.getLogger("vlbatch")
+IDLE_WAIT_S = 0.005  # nothing in flight and nothing ready: how long to wait before asking again
+
+
+def engine_kwargs(job: Job) -> dict:
+    """vLLM LLM(...) arguments from the job (None settings left to vLLM's defaults)."""
+    e = job.engine
+    kwargs = dict(
+        model=job.model_path(), seed=e.seed, dtype=e.dtype,
+        tensor_parallel_size=e.tensor_parallel_size,
+        gpu_memory_utilization=e.gpu_memory_utilization, load_format=e.load_format,
+        enforce_eager=e.enforce_eager, trust_remote_code=e.trust_remote_code,
+        limit_mm_per_prompt={"image": 1, "video": 0},
+        # pages arrive already fitted to this budget, so the processor resizes nothing
+        mm_processor_kwargs={"size": {"shortest_edge": job.render.min_pixels,
+                                      "longest_edge": job.render.max_pixels}},
+    )
+    optional = dict(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
+                    max_num_batched_tokens=e.max_num_batched_tokens,
+                    enable_prefix_caching=e.enable_prefix_caching)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+class VllmEngine:
+    def __init__(self, job: Job, prompts: PromptBuilder | None = None):
+        self.job = job
+        self.max_in_flight = job.engine.max_in_flight
+        self.prompts = prompts or PromptBuilder(job.model_path(), job.engine.trust_remote_code)
+        self._params: dict[str, object] = {}
+        started = time.monotonic()
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                # the CPU build needs a KV cache size; in-process starts in seconds, not 30
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{job.engine.cpu_kv_cache_gib:g}")
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            self.llm = LLM(**engine_kwargs(job))
+        except Exception as e:  # model not found, out of memory, bad setting, ...
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise JobCannotRunError(f"engine failed to start ({type(e).__name__}): {reason}") from e
+        self.start_seconds = time.monotonic() - started
+        self.version = __import__("vllm").__version__
+
+    def sampling_params(self, task: Task):
+        if task.name not in self._params:
+            from vllm import SamplingParams
+
+            self._params[task.name] = SamplingParams(
+                max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
+                seed=task.seed, ignore_eos=task.ignore_eos)
+        return self._params[task.name]
+
+    def _add(self, engine, request: Request) -> None:
+        prompt = {"prompt": self.prompts.chat_prompt(request.text),
+                  "multi_modal_data": {"image": request.image}}
+        engine.add_request(request.request_id, prompt, self.sampling_params(request.task))
+
+    def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
+        engine = self.llm.llm_engine
+        in_flight: set[str] = set()
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < self.max_in_flight:
+                request = next(feed, StopIteration)
+                if request is StopIteration:
+                    exhausted = True
+                elif request is None:  # nothing rendered yet
+                    if in_flight:
+                        break
+                    time.sleep(IDLE_WAIT_S)
+                else:
+                    try:
+                        self._add(engine, request)
+                        in_flight.add(request.request_id)
+                    except Exception as e:  # over-long prompt, bad image, ...
+                        yield Completion(request.request_id, None, f"request rejected: {e}")
+            if not in_flight:
+                if exhausted:
+                    return
+                continue
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                in_flight.discard(out.request_id)
+                yield self._completion(out)
+
+    @staticmethod
+    def _completion(out) -> Completion:
+        prompt_tokens = len(out.prompt_token_ids) if out.prompt_token_ids is not None else None
+        if not out.outputs:
+            return Completion(out.request_id, None, "engine returned no output", prompt_tokens)
+        first = out.outputs[0]
+        if first.finish_reason == "abort":
+            return Completion(out.request_id, None, "request aborted by the engine", prompt_tokens)
+        return Completion(out.request_id, first.text, None, prompt_tokens, len(first.token_ids))
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine_core = getattr(llm.llm_engine, "engine_core", None)
+            shutdown = getattr(engine_core, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            self.llm = None

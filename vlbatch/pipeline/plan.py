@@ -1,0 +1,79 @@
+"""plan: page metadata x tasks -> the work still to do, in the order to do it.
+
+Planning needs only page sizes (no rendering): each page's requests are estimated in tokens
+(image tokens after the model's smart resize plus the prompt's text tokens), pages are
+ordered longest first so the run has no long tail, and a page's tasks stay adjacent so the
+engine reuses the page's image work (encoder and prefix caches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from vlbatch.job import Task
+from vlbatch.pipeline.discover import Source
+from vlbatch.pipeline.imaging import PageImageError, smart_resize
+from vlbatch.pipeline.ingest import Probe
+
+
+@dataclass
+class PageUnit:
+    """One page of one source (page None: the file itself failed), in input order."""
+
+    order: int
+    source: Source
+    kind: str
+    page: int | None
+    width: int = 0  # pixels before the model's budget
+    height: int = 0
+    error: str | None = None
+    tasks: list[Task] = field(default_factory=list)  # still to do
+    est_tokens: int = 0
+
+    @property
+    def ref(self) -> str:
+        return f"{self.source.path}#{self.page}"
+
+
+def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageUnit]:
+    units: list[PageUnit] = []
+    for source, probe in zip(sources, probes, strict=True):
+        if source.read_error or probe.error:
+            units.append(PageUnit(len(units), source, probe.kind, None,
+                                  error=source.read_error or probe.error))
+            continue
+        for p in probe.pages:
+            units.append(PageUnit(len(units), source, probe.kind, p.page, p.width, p.height,
+                                  error=p.error))
+    return units
+
+
+def select_todo(units: list[PageUnit], tasks: list[Task], is_done: Callable[[PageUnit, Task], bool],
+                limit: int | None = None) -> list[PageUnit]:
+    """The first `limit` units (input order, before dedupe), each with its unfinished tasks;
+    units with nothing left to do are dropped."""
+    chosen = units if limit is None else units[:limit]
+    todo = []
+    for unit in chosen:
+        unit.tasks = [t for t in tasks if not is_done(unit, t)]
+        if unit.tasks:
+            todo.append(unit)
+    return todo
+
+
+def order_for_generation(units: list[PageUnit], text_tokens: Callable[[str], int],
+                         min_pixels: int, max_pixels: int, factor: int = 32) -> list[PageUnit]:
+    """Longest first (estimated prompt tokens), input order among equals; tasks of a page
+    ordered longest prompt first."""
+    for unit in units:
+        lengths = {t.name: text_tokens(t.render_prompt(text_layer="", source=unit.source.path,
+                                                       page=unit.page)) for t in unit.tasks}
+        unit.tasks.sort(key=lambda t: -lengths[t.name])
+        try:
+            h, w = smart_resize(unit.height, unit.width, min_pixels, max_pixels, factor)
+            image_tokens = (h // factor) * (w // factor)
+        except PageImageError:
+            image_tokens = 0  # rendering will report it
+        unit.est_tokens = image_tokens + max(lengths.values())
+    return sorted(units, key=lambda u: (-u.est_tokens, u.order))

@@ -1,0 +1,152 @@
+"""write: result and page rows -> Parquet parts that appear whole or not at all, the run
+manifest, the output folder's lock, and the index of what earlier runs already finished.
+
+Layout (DESIGN.md):
+    OUTPUT/results/part-<run_id>-<seq>.parquet
+    OUTPUT/pages/part-<run_id>-<seq>.parquet
+    OUTPUT/_runs/<run_id>.json
+    OUTPUT/.lock
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vlbatch.errors import JobCannotRunError, OutputLocked
+
+RESULT_SCHEMA = pa.schema([
+    ("source", pa.string()),
+    ("page", pa.int32()),
+    ("task", pa.string()),
+    ("output", pa.string()),
+    ("status", pa.string()),
+    ("error", pa.string()),
+    ("content_hash", pa.string()),
+    ("phash", pa.string()),
+    ("cached", pa.bool_()),
+    ("reused_from", pa.string()),
+    ("model", pa.string()),
+    ("run_id", pa.string()),
+    # beyond DESIGN.md's contract: what makes a row current, and its cost
+    ("source_sha256", pa.string()),
+    ("task_hash", pa.string()),
+    ("prompt_tokens", pa.int32()),
+    ("output_tokens", pa.int32()),
+    ("finished_at", pa.timestamp("ms", tz="UTC")),
+])
+
+PAGE_SCHEMA = pa.schema([
+    ("source", pa.string()),
+    ("page", pa.int32()),
+    ("width", pa.int32()),  # as the model sees it
+    ("height", pa.int32()),
+    ("text_layer", pa.string()),
+    ("content_hash", pa.string()),
+    ("phash", pa.string()),
+    ("source_sha256", pa.string()),
+    ("error", pa.string()),
+    ("run_id", pa.string()),
+])
+
+DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
+
+
+class PartWriter:
+    """Buffers rows and writes them as a new part every `max_rows` rows or `max_seconds`."""
+
+    def __init__(self, folder: Path, run_id: str, schema: pa.Schema,
+                 max_rows: int = 1000, max_seconds: float = 30.0):
+        self.folder, self.run_id, self.schema = folder, run_id, schema
+        self.max_rows, self.max_seconds = max_rows, max_seconds
+        self.rows: list[dict] = []
+        self.seq = 0
+        self.rows_written = 0
+        self.last_flush = time.monotonic()
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.max_rows or time.monotonic() - self.last_flush >= self.max_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last_flush = time.monotonic()
+        if not self.rows:
+            return
+        table = pa.Table.from_pylist(self.rows, schema=self.schema)
+        name = f"part-{self.run_id}-{self.seq:05d}.parquet"
+        tmp = self.folder / f".{name}.tmp"  # a leading dot: readers skip it
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / name)
+        self.seq += 1
+        self.rows_written += len(self.rows)
+        self.rows = []
+
+
+class OutputFolder:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.results = self.root / "results"
+        self.pages = self.root / "pages"
+        self.runs = self.root / "_runs"
+        try:
+            for folder in (self.results, self.pages, self.runs):
+                folder.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise JobCannotRunError(f"output folder {self.root} is not writable: "
+                                    f"{e.strerror or e}") from None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """One run at a time per output. flock is released by the kernel when its holder
+        dies, so a lock left by a dead process is simply taken over."""
+        path = self.root / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                raise OutputLocked(f"another run holds {path} ({holder}); try again later") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def part_files(self, kind: str = "results") -> list[Path]:
+        return sorted((self.root / kind).glob("part-*.parquet"))
+
+    def done_keys(self, retry_errors: bool = False) -> set[DoneKey]:
+        """Keys that earlier runs finished (ok rows; error rows too unless retrying them)."""
+        files = self.part_files()
+        if not files:
+            return set()
+        columns = ["source", "page", "task", "source_sha256", "task_hash", "status"]
+        table = pq.ParquetDataset(files, schema=RESULT_SCHEMA).read(columns=columns)
+        rows = zip(*(table.column(c).to_pylist() for c in columns))
+        return {(s, p, t, h, th) for s, p, t, h, th, status in rows
+                if status == "ok" or not retry_errors}
+
+    def write_manifest(self, run_id: str, manifest: dict) -> Path:
+        path = self.runs / f"{run_id}.json"
+        tmp = self.runs / f".{run_id}.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, default=str))
+        os.replace(tmp, path)
+        return path
