@@ -15,6 +15,12 @@ from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Task
 
 
+def request_key(namespace: str, content_hash: str, model: str, prompt: str, task: Task) -> str:
+    """What makes two requests the same: pixels, model, prompt as sent, sampling settings."""
+    parts = [namespace, content_hash, model, prompt, task.fingerprint()]
+    return "result:" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
 class ResultCache:
     def __init__(self, folder: Path, namespace: str = "default", size_limit_gib: float = 20.0):
         import diskcache
@@ -28,10 +34,6 @@ class ResultCache:
                                           eviction_policy="least-recently-used")
         except Exception as e:
             raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
-
-    def key(self, content_hash: str, model: str, prompt: str, task: Task) -> str:
-        parts = [self.namespace, content_hash, model, prompt, task.fingerprint()]
-        return "result:" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
     def get(self, key: str) -> dict | None:
         raw = self._cache.get(key)

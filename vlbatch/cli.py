@@ -1,0 +1,104 @@
+"""The command line. The only place that prints errors and chooses exit codes (DESIGN.md):
+0 ran, 2 usage/job-file error, 3 could not run, 4 error budget exceeded, 75 output locked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from vlbatch.errors import VlbatchError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Folders of PDFs and images -> Parquet tables of VLM answers (vLLM).")
+err_console = Console(stderr=True)
+out_console = Console()
+
+
+def _setup_logging(debug: bool) -> None:
+    level = logging.DEBUG if debug else logging.INFO
+    handler = RichHandler(console=err_console, show_path=debug, rich_tracebacks=debug)
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
+    # quiet the engine's own chatter unless debugging (read when vLLM is imported)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if debug else "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "info" if debug else "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _fail(error: BaseException, debug: bool) -> None:
+    if debug:
+        err_console.print_exception()
+    if isinstance(error, VlbatchError):
+        err_console.print(f"vlbatch: {error}", markup=False, highlight=False)
+        raise typer.Exit(error.exit_code)
+    err_console.print(f"vlbatch: internal error: {type(error).__name__}: {error}",
+                      markup=False, highlight=False)
+    raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    job_file: Path = typer.Argument(..., help="The job YAML."),
+    output: Optional[str] = typer.Option(None, "--output", help="Output folder (overrides the job's)."),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Cache folder (overrides the job's)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1,
+                                        help="Only the first N pages (sorted paths, page order)."),
+    retry_errors: bool = typer.Option(False, "--retry-errors",
+                                      help="Generate again the rows that ended in error."),
+    debug: bool = typer.Option(False, "--debug", help="Tracebacks and the engine's logs."),
+) -> None:
+    """Run a job: every page x task of its inputs ends up as a row in OUTPUT/results."""
+    _setup_logging(debug)
+    from vlbatch.job import load_job
+    from vlbatch.report import ProgressReporter, summary_table
+    from vlbatch.runner import JobRun
+
+    try:
+        job = load_job(job_file, output=output, cache=cache_dir)
+        with ProgressReporter(err_console) as progress:
+            job_run = JobRun(job, limit=limit, retry_errors=retry_errors, progress=progress)
+            try:
+                stats = job_run.execute()
+            finally:
+                progress(job_run.stats, force=True)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI is where errors end
+        _fail(e, debug)
+        return
+    out_console.print(summary_table(stats))
+    out_console.print(f"results: {job.output / 'results'}")
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(path: Path = typer.Argument(Path("models/tiny-qwen3-vl"),
+                                                help="Folder to write the model to.")) -> None:
+    """Write a tiny Qwen3-VL with random weights (offline, deterministic) for trying jobs
+    and for tests. Its answers are noise."""
+    _setup_logging(False)
+    from vlbatch.models.tiny import build_tiny_model
+
+    try:
+        out = build_tiny_model(path)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    out_console.print(f"tiny random Qwen3-VL in {out}")
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit:
+        raise
+    except BaseException as e:  # anything that escaped a command
+        err_console.print(f"vlbatch: {type(e).__name__}: {e}", markup=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""report: progress while a run goes (a rich display on a terminal, a plain log line every
+N seconds without one, e.g. under cron) and the summary at the end."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from vlbatch.runner import RunStats
+
+log = logging.getLogger("vlbatch")
+
+
+class ProgressReporter:
+    """Called by the run after every row; redraws or logs at most every `interval_s`."""
+
+    def __init__(self, console: Console, interval_s: float = 30.0):
+        self.console = console
+        self.live = console.is_terminal
+        self.interval_s = 0.2 if self.live else interval_s
+        self.last = 0.0
+        self.started = time.monotonic()
+        self._progress: Progress | None = None
+        self._task = None
+
+    def __enter__(self) -> ProgressReporter:
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"), TimeRemainingColumn(),
+                console=self.console, transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("pages", total=None, detail="starting")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def __call__(self, s: RunStats, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.interval_s:
+            return
+        self.last = now
+        elapsed = max(now - self.started, 1e-9)
+        detail = (f"{s.pages_finished / elapsed:.2f} pages/s  {s.output_tokens / elapsed:.0f} tok/s  "
+                  f"requests {s.requests_finished}/{s.requests_total}  cache hits {s.cache_hits}  "
+                  f"dupes {s.duplicates_merged}  errors {s.rows_error}")
+        if self._progress is not None:
+            self._progress.update(self._task, total=s.pages_todo, completed=s.pages_finished,
+                                  detail=detail)
+        else:
+            log.info("pages %d/%d  %s", s.pages_finished, s.pages_todo, detail)
+
+
+def summary_table(s: RunStats) -> Table:
+    table = Table(title=f"run {s.run_id}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("sources", s.sources), ("pages in scope", s.pages_total),
+        ("pages already done", s.pages_already_done), ("pages processed", s.pages_finished),
+        ("requests", s.requests_total), ("generated", s.generated),
+        ("cache hits", s.cache_hits), ("duplicates merged", s.duplicates_merged),
+        ("rows ok", s.rows_ok), ("rows error", s.rows_error),
+        ("pages with errors", s.pages_with_errors), ("output tokens", s.output_tokens),
+        ("engine start (s)", "-" if s.engine_start_s is None else f"{s.engine_start_s:.1f}"),
+        ("seconds", f"{s.seconds:.1f}"), ("pages/s", f"{s.pages_per_s:.2f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    if s.error_reasons:
+        top = sorted(s.error_reasons.items(), key=lambda kv: -kv[1])[:5]
+        table.add_row("top errors", "; ".join(f"{r} ({n})" for r, n in top))
+    return table

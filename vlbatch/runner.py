@@ -1,0 +1,352 @@
+"""One run of a job, stage by stage: discover -> probe -> plan -> render -> dedupe/cache ->
+generate -> write -> report. Every input file and page ends up as result rows or error rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from vlbatch import __version__
+from vlbatch.engine.base import Completion, Engine, Request
+from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
+from vlbatch.job import Job, Task
+from vlbatch.pipeline import ingest
+from vlbatch.pipeline.cache import ResultCache, request_key
+from vlbatch.pipeline.discover import discover
+from vlbatch.pipeline.plan import PageUnit, order_for_generation, page_units, select_todo
+from vlbatch.pipeline.workers import CallTimedOut, WorkerDied, WorkerPool, default_workers
+from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, OutputFolder, PartWriter
+
+log = logging.getLogger("vlbatch")
+
+
+@dataclass
+class RunStats:
+    run_id: str = ""
+    sources: int = 0
+    pages_total: int = 0  # pages (and unopenable files) in scope for this run
+    pages_already_done: int = 0
+    pages_todo: int = 0
+    pages_finished: int = 0
+    requests_total: int = 0
+    requests_finished: int = 0
+    generated: int = 0
+    cache_hits: int = 0
+    duplicates_merged: int = 0
+    rows_ok: int = 0
+    rows_error: int = 0
+    pages_with_errors: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    engine_start_s: float | None = None
+    seconds: float = 0.0
+    pages_per_s: float = 0.0
+    cache_corrupt: int = 0
+    error_reasons: dict[str, int] = field(default_factory=dict)
+
+
+ProgressCallback = Callable[[RunStats], None]
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+def default_engine_factory(job: Job) -> Engine:
+    from vlbatch.engine.vllm_engine import VllmEngine
+
+    return VllmEngine(job)
+
+
+def default_text_tokens(job: Job) -> Callable[[str], int]:
+    from vlbatch.engine.prompts import PromptBuilder
+
+    return PromptBuilder(job.model_path(), job.engine.trust_remote_code).text_tokens
+
+
+class _Pending:
+    """A request in the engine, and the duplicate pages waiting on its answer."""
+
+    def __init__(self, key: str, unit: PageUnit, task: Task, hashes: tuple[str, str]):
+        self.key, self.unit, self.task, self.hashes = key, unit, task, hashes
+        self.waiters: list[tuple[PageUnit, Task, tuple[str, str]]] = []
+
+
+class JobRun:
+    def __init__(self, job: Job, *, limit: int | None = None, retry_errors: bool = False,
+                 engine_factory: Callable[[Job], Engine] = default_engine_factory,
+                 text_tokens: Callable[[Job], Callable[[str], int]] = default_text_tokens,
+                 progress: ProgressCallback | None = None):
+        self.job, self.limit, self.retry_errors = job, limit, retry_errors
+        self.engine_factory, self.text_tokens = engine_factory, text_tokens
+        self.progress = progress or (lambda stats: None)
+        self.stats = RunStats(run_id=new_run_id())
+        self.engine: Engine | None = None
+        self.engine_version: str | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._by_key: dict[str, _Pending] = {}
+        self._answered: dict[str, tuple[str, Completion]] = {}  # key -> (origin page, answer)
+        self._tasks_left: dict[int, int] = {}  # unit order -> rows still to write
+        self._error_pages: set[int] = set()
+
+    # ----- rows -----
+    def _row(self, unit: PageUnit, task: Task, *, output: str | None = None,
+             error: str | None = None, hashes: tuple[str, str] | None = None,
+             cached: bool = False, reused_from: str | None = None,
+             prompt_tokens: int | None = None, output_tokens: int | None = None) -> None:
+        status = "error" if error is not None else "ok"
+        self.results.add(dict(
+            source=unit.source.path, page=unit.page, task=task.name,
+            output=None if error is not None else output, status=status, error=error,
+            content_hash=hashes[0] if hashes else None, phash=hashes[1] if hashes else None,
+            cached=cached, reused_from=reused_from, model=self.job.model,
+            run_id=self.stats.run_id, source_sha256=unit.source.sha256,
+            task_hash=task.fingerprint(), prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens, finished_at=datetime.now(timezone.utc)))
+        s = self.stats
+        if error is None:
+            s.rows_ok += 1
+        else:
+            s.rows_error += 1
+            self._error_pages.add(unit.order)
+            s.pages_with_errors = len(self._error_pages)
+            reason = error.split(":")[0][:80]
+            s.error_reasons[reason] = s.error_reasons.get(reason, 0) + 1
+        left = self._tasks_left[unit.order] = self._tasks_left[unit.order] - 1
+        if left == 0:
+            s.pages_finished += 1
+        s.requests_finished += 1
+        self.progress(s)
+
+    def _error_rows(self, unit: PageUnit, reason: str, hashes=None) -> None:
+        for task in unit.tasks:
+            self._row(unit, task, error=reason, hashes=hashes)
+
+    # ----- stages -----
+    def _probe_all(self, pool: WorkerPool, sources) -> list[ingest.Probe]:
+        r = self.job.render
+        probes = []
+        for source, result in pool.imap(ingest.probe, sources,
+                                        lambda s: (s.abs_path, r.dpi, r.pdf_password)):
+            if isinstance(result, Exception):
+                result = ingest.Probe("unknown", [], str(result))
+            probes.append(result)
+        return probes
+
+    def _is_done(self, done: set) -> Callable[[PageUnit, Task], bool]:
+        return lambda unit, task: (unit.source.path, unit.page, task.name, unit.source.sha256,
+                                   task.fingerprint()) in done
+
+    def _render_ahead(self, pool: WorkerPool, units: list[PageUnit]) -> queue.Queue:
+        """Render in planned order in the worker pool; a thread hands results over."""
+        r = self.job.render
+        rendered: queue.Queue = queue.Queue(maxsize=pool.lookahead)
+
+        def produce() -> None:
+            try:
+                for item in pool.imap(ingest.render_page, units, lambda u: (
+                        u.source.abs_path, u.kind, u.page, r.dpi, r.min_pixels, r.max_pixels,
+                        r.pdf_password)):
+                    rendered.put(item)
+            except Exception as e:  # the pool itself failed: every page left gets an error
+                log.error("rendering stopped: %s", e)
+            rendered.put(None)
+
+        threading.Thread(target=produce, name="vlbatch-render", daemon=True).start()
+        return rendered
+
+    def _feed(self, units: list[PageUnit], rendered: queue.Queue,
+              cache: ResultCache | None) -> Iterator[Request | None]:
+        seen = 0
+        while seen < len(units):
+            try:
+                item = rendered.get(timeout=0.05)
+            except queue.Empty:
+                yield None
+                continue
+            if item is None:  # the render thread died: account for the rest
+                for unit in units[seen:]:
+                    self._error_rows(unit, "render pool failed")
+                return
+            seen += 1
+            unit, page = item
+            if isinstance(page, Exception):
+                self._page_row(unit, None, str(page))
+                stopped = isinstance(page, (CallTimedOut, WorkerDied))
+                self._error_rows(unit, str(page) if stopped else f"render failed: {page}")
+                continue
+            self._page_row(unit, page, None)
+            yield from self._requests_for(unit, page, cache)
+
+    def _page_row(self, unit: PageUnit, page: ingest.RenderedPage | None, error: str | None):
+        self.pages.add(dict(
+            source=unit.source.path, page=unit.page,
+            width=page.width if page else None, height=page.height if page else None,
+            text_layer=page.text_layer if page else None,
+            content_hash=page.content_hash if page else None,
+            phash=page.phash if page else None, source_sha256=unit.source.sha256,
+            error=error, run_id=self.stats.run_id))
+
+    def _requests_for(self, unit: PageUnit, page: ingest.RenderedPage,
+                      cache: ResultCache | None) -> Iterator[Request]:
+        hashes = (page.content_hash, page.phash)
+        image = None
+        for task in unit.tasks:
+            text = task.render_prompt(text_layer=page.text_layer or "", source=unit.source.path,
+                                      page=unit.page)
+            key = request_key(self.job.cache_namespace, page.content_hash, self.job.model, text,
+                              task)
+            if key in self._by_key:  # the same page and prompt is in the engine now
+                self._by_key[key].waiters.append((unit, task, hashes))
+                self.stats.duplicates_merged += 1
+                continue
+            if key in self._answered:  # answered earlier in this run
+                origin, answer = self._answered[key]
+                self.stats.duplicates_merged += 1
+                self._answer_row(unit, task, hashes, answer, origin)
+                continue
+            hit = cache.get(key) if cache else None
+            if hit is not None:
+                self.stats.cache_hits += 1
+                origin = hit.get("origin")
+                answer = Completion("", hit["output"], None, hit.get("prompt_tokens"),
+                                    hit.get("output_tokens"))
+                self._answered[key] = (origin or unit.ref, answer)
+                self._answer_row(unit, task, hashes, answer, origin if origin != unit.ref else None)
+                continue
+            image = image or page.image()
+            request_id = f"{self.stats.run_id}-{len(self._pending) + self.stats.generated}"
+            pending = _Pending(key, unit, task, hashes)
+            self._pending[request_id] = self._by_key[key] = pending
+            yield Request(request_id, image, text, task)
+
+    def _answer_row(self, unit, task, hashes, answer: Completion, reused_from: str | None):
+        self._row(unit, task, output=answer.text, error=answer.error, hashes=hashes, cached=True,
+                  reused_from=reused_from, prompt_tokens=answer.prompt_tokens,
+                  output_tokens=answer.output_tokens)
+
+    def _complete(self, done: Completion, cache: ResultCache | None) -> None:
+        pending = self._pending.pop(done.request_id)
+        del self._by_key[pending.key]
+        unit, task = pending.unit, pending.task
+        self.stats.generated += 1
+        self.stats.prompt_tokens += done.prompt_tokens or 0
+        self.stats.output_tokens += done.output_tokens or 0
+        self._row(unit, task, output=done.text, error=done.error, hashes=pending.hashes,
+                  prompt_tokens=done.prompt_tokens, output_tokens=done.output_tokens)
+        if done.error is None:
+            self._answered[pending.key] = (unit.ref, done)
+            if cache:
+                cache.put(pending.key, {"output": done.text, "origin": unit.ref,
+                                        "prompt_tokens": done.prompt_tokens,
+                                        "output_tokens": done.output_tokens})
+        for w_unit, w_task, w_hashes in pending.waiters:
+            self._answer_row(w_unit, w_task, w_hashes, done, unit.ref)
+
+    def _generate(self, feed: Iterator[Request | None], cache: ResultCache | None) -> None:
+        first = None
+        for item in feed:  # rows that need no engine are written as the feed runs
+            if item is not None:
+                first = item
+                break
+        if first is None:
+            return  # nothing to generate: the engine is never started
+        started = time.monotonic()
+        self.engine = self.engine_factory(self.job)
+        self.stats.engine_start_s = round(time.monotonic() - started, 1)
+        self.engine_version = getattr(self.engine, "version", None)
+
+        def chained() -> Iterator[Request | None]:
+            yield first
+            yield from feed
+
+        stream = chained()
+        try:
+            for done in self.engine.generate(stream):
+                self._complete(done, cache)
+        except Exception as e:  # the engine died mid-run: every request left gets a row
+            log.error("engine failed mid-run: %s", e)
+            reason = f"engine failed: {e}"
+            for _ in stream:  # the feed registers each request it yields as pending
+                pass
+            for request_id in list(self._pending):
+                self._complete(Completion(request_id, None, reason), cache)
+
+    # ----- the run -----
+    def execute(self) -> RunStats:
+        job, stats = self.job, self.stats
+        started = time.monotonic()
+        output = OutputFolder(job.output)
+        with output.lock():
+            sources = discover(job.inputs, job.base_dir)
+            if not sources:
+                raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
+            stats.sources = len(sources)
+            cache = ResultCache(job.cache, job.cache_namespace) if job.result_cache else None
+            self.results = PartWriter(output.results, stats.run_id, RESULT_SCHEMA)
+            self.pages = PartWriter(output.pages, stats.run_id, PAGE_SCHEMA)
+            workers = default_workers(job.render.workers)
+            status = "failed"
+            try:
+                with WorkerPool(workers, job.render.page_timeout_s) as pool:
+                    units = page_units(sources, self._probe_all(pool, sources))
+                    scope = units if self.limit is None else units[:self.limit]
+                    todo = select_todo(scope, job.tasks, self._is_done(output.done_keys(
+                        self.retry_errors)))
+                    stats.pages_total, stats.pages_todo = len(scope), len(todo)
+                    stats.pages_already_done = len(scope) - len(todo)
+                    stats.requests_total = sum(len(u.tasks) for u in todo)
+                    self._tasks_left = {u.order: len(u.tasks) for u in todo}
+                    for unit in todo:
+                        if unit.error:
+                            self._page_row(unit, None, unit.error)
+                            self._error_rows(unit, unit.error)
+                    renderable = [u for u in todo if not u.error]
+                    if renderable:
+                        renderable = order_for_generation(
+                            renderable, self.text_tokens(job), job.render.min_pixels,
+                            job.render.max_pixels)
+                        feed = self._feed(renderable, self._render_ahead(pool, renderable), cache)
+                        self._generate(feed, cache)
+                status = "finished"
+            finally:
+                self.results.flush()
+                self.pages.flush()
+                if self.engine is not None:
+                    self.engine.close()
+                if cache:
+                    stats.cache_corrupt = cache.corrupt
+                    cache.close()
+                stats.seconds = round(time.monotonic() - started, 2)
+                stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
+                output.write_manifest(stats.run_id, self._manifest(status, sources))
+        rate = stats.pages_with_errors / stats.pages_todo if stats.pages_todo else 0.0
+        if rate > job.max_error_rate:
+            raise ErrorBudgetExceeded(
+                f"{stats.pages_with_errors} of {stats.pages_todo} pages failed "
+                f"({rate:.1%}), over max_error_rate {job.max_error_rate:.1%}")
+        return stats
+
+    def _manifest(self, status: str, sources) -> dict:
+        return {
+            "run_id": self.stats.run_id, "status": status, "job": self.job.name,
+            "config_hash": self.job.config_hash(),
+            "config": self.job.model_dump(mode="json", exclude={"base_dir"}),
+            "limit": self.limit, "retry_errors": self.retry_errors,
+            "inputs": [{"path": s.path, "sha256": s.sha256, "size": s.size} for s in sources],
+            "versions": {"vlbatch": __version__, "vllm": self.engine_version,
+                         "model": self.job.model},
+            "summary": asdict(self.stats),
+            "finished_at": datetime.now(timezone.utc).isoformat(),
+        }
+
+
+def run_job(job: Job, **kwargs) -> RunStats:
+    return JobRun(job, **kwargs).execute()
