@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -22,9 +23,18 @@ out_console = Console()
 
 
 def _setup_logging(debug: bool) -> None:
-    level = logging.DEBUG if debug else logging.INFO
     handler = RichHandler(console=err_console, show_path=debug, rich_tracebacks=debug)
-    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    if debug:  # everything, the engine's loggers included
+        logging.basicConfig(level=logging.DEBUG, handlers=[handler], force=True)
+    else:  # vlbatch's own log only; other libraries' warnings are not the user's business
+        ours = logging.getLogger("vlbatch")
+        ours.handlers[:] = [handler]
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+        logging.getLogger().setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # quiet the engine's own chatter unless debugging (read when vLLM is imported)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if debug else "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "info" if debug else "error")

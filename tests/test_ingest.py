@@ -1,0 +1,142 @@
+"""Ingest: page metadata and rendering of good, odd and broken files (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+import oddfiles
+from vlbatch.pipeline import imaging, ingest
+
+MIN, MAX = 4 * 32 * 32, 128 * 32 * 32
+
+
+def render(path, page=1, dpi=72, password=None, max_pixels=MAX):
+    kind = ingest.file_kind(str(path))
+    return ingest.render_page(str(path), kind, page, dpi, MIN, max_pixels, password)
+
+
+def test_pdf_pages_sizes_and_text_layer(tmp_path):
+    path = oddfiles.pdf(tmp_path / "a.pdf", pages=3)
+    probe = ingest.probe(str(path), 150, None)
+    assert probe.kind == "pdf" and probe.error is None
+    assert [(p.page, p.width, p.height) for p in probe.pages] == [(i, 1240, 1754) for i in (1, 2, 3)]
+    page = render(path, 2)
+    assert "Hello page 2" in page.text_layer
+    assert page.width % 32 == 0 and page.height % 32 == 0 and page.width * page.height <= MAX
+    assert len(page.rgb) == page.width * page.height * 3
+    assert len(page.content_hash) == 64 and len(page.phash) == 64
+
+
+def test_rotated_pdf_page_is_landscape(tmp_path):
+    path = oddfiles.pdf(tmp_path / "r.pdf", pages=1, rotate=90)
+    probe = ingest.probe(str(path), 72, None)
+    assert probe.pages[0].width > probe.pages[0].height
+    page = render(path)
+    assert page.width > page.height
+
+
+def test_huge_page_box_is_rendered_within_budget(tmp_path):
+    path = oddfiles.pdf(tmp_path / "huge.pdf", pages=1, size=(14400, 14400))  # 200 x 200 inches
+    page = render(path, dpi=150)
+    assert page.width * page.height <= MAX
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: oddfiles.random_bytes(p.with_suffix(".pdf")), "cannot open PDF"),
+    (lambda p: oddfiles.random_bytes(p.with_suffix(".png")), "not a readable image"),
+    (lambda p: oddfiles.bomb_png(p.with_suffix(".png")), "decompression bomb"),
+])
+def test_broken_files_give_a_reason(tmp_path, make, reason):
+    path = make(tmp_path / "bad.pdf")
+    probe = ingest.probe(str(path), 150, None)
+    assert reason in probe.error and probe.pages == []
+
+
+def test_truncated_pdf_repaired_or_reported(tmp_path):
+    """What MuPDF can repair is processed; what it cannot gets its reason."""
+    path = oddfiles.truncated_pdf(tmp_path / "t.pdf")
+    probe = ingest.probe(str(path), 72, None)
+    if probe.error is not None:
+        assert "cannot open PDF" in probe.error or "no pages" in probe.error
+    for page in probe.pages:
+        try:
+            assert render(path, page.page).width > 0
+        except Exception as e:  # a page MuPDF cannot render raises, the worker reports it
+            assert str(e)
+
+
+def test_zero_page_pdf_is_an_error(tmp_path):
+    probe = ingest.probe(str(oddfiles.zero_page_pdf(tmp_path / "z.pdf")), 150, None)
+    assert probe.error is not None and probe.pages == []
+
+
+def test_encrypted_pdf_with_and_without_password(tmp_path):
+    path = oddfiles.pdf(tmp_path / "e.pdf", pages=2, encrypt_password="s3cret")
+    assert "encrypted" in ingest.probe(str(path), 72, None).error
+    assert "password given does not open it" in ingest.probe(str(path), 72, "wrong").error
+    probe = ingest.probe(str(path), 72, "s3cret")
+    assert probe.error is None and len(probe.pages) == 2
+    assert "Hello page 1" in render(path, 1, password="s3cret").text_layer
+
+
+def test_truncated_png_fails_at_render(tmp_path):
+    path = oddfiles.truncated_png(tmp_path / "t.png")
+    probe = ingest.probe(str(path), 72, None)
+    if probe.error is None:
+        with pytest.raises(Exception):
+            render(path)
+
+
+def test_cmyk_becomes_rgb(tmp_path):
+    page = render(oddfiles.cmyk_jpeg(tmp_path / "c.jpg"))
+    r, g, b = page.image().getpixel((10, 10))
+    assert r > 200 and g < 60 and b < 60
+
+
+def test_exif_orientation_applied(tmp_path):
+    path = oddfiles.exif_rotated_jpeg(tmp_path / "x.jpg")
+    size = ingest.probe(str(path), 72, None).pages[0]
+    assert (size.width, size.height) == (200, 400)
+    page = render(path)
+    assert page.height > page.width
+    assert page.image().getpixel((page.width // 2, 5))[0] < 60  # the band is now on top
+
+
+def test_multiframe_tiff_every_frame_is_a_page(tmp_path):
+    path = oddfiles.multi_tiff(tmp_path / "m.tiff", frames=3)
+    probe = ingest.probe(str(path), 72, None)
+    assert [p.page for p in probe.pages] == [1, 2, 3]
+    hashes = {render(path, i).content_hash for i in (1, 2, 3)}
+    assert len(hashes) == 3
+
+
+def test_animated_gif_first_frame_only(tmp_path):
+    probe = ingest.probe(str(oddfiles.animated_gif(tmp_path / "a.gif")), 72, None)
+    assert len(probe.pages) == 1
+
+
+def test_alpha_composited_over_white(tmp_path):
+    page = render(oddfiles.alpha_png(tmp_path / "a.png"))
+    assert page.image().getpixel((5, 5)) == (255, 255, 255)
+
+
+def test_sixteen_bit_image(tmp_path):
+    page = render(oddfiles.sixteen_bit_png(tmp_path / "s.png"))
+    assert page.image().mode == "RGB" and page.width > 0
+
+
+def test_smart_resize_matches_qwen_rules():
+    assert imaging.smart_resize(1754, 1240, MIN, 1280 * 32 * 32) == (1344, 960)
+    h, w = imaging.smart_resize(100, 100, 64 * 32 * 32, 1280 * 32 * 32)
+    assert h * w >= 64 * 32 * 32 and h % 32 == 0 and w % 32 == 0
+    with pytest.raises(imaging.PageImageError):
+        imaging.smart_resize(10, 5000, MIN, MAX)
+
+
+def test_content_hash_exact_and_phash_near():
+    a = Image.new("RGB", (64, 64), "white")
+    b = a.copy()
+    b.putpixel((3, 3), (0, 0, 0))
+    assert imaging.content_hash(a) == imaging.content_hash(a.copy())
+    assert imaging.content_hash(a) != imaging.content_hash(b)

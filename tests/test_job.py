@@ -1,0 +1,87 @@
+"""The job file: validation at load time, clear messages, exit code 2, prompt placeholders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vlbatch.cli import app
+from vlbatch.errors import JobFileError
+from vlbatch.job import Task, load_job
+
+VALID = """
+name: t
+inputs: ["docs/*.pdf"]
+output: out
+model: some/model
+tasks:
+  - name: md
+    prompt: "Convert."
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_job_paths_are_relative_to_the_job_file(tmp_path):
+    job = load_job(write(tmp_path, VALID))
+    assert job.output == (tmp_path / "out").resolve()
+    assert job.cache == (tmp_path / ".vlbatch-cache").resolve()
+    assert job.tasks[0].max_tokens == 1024 and job.render.dpi == 150
+    assert job.render.max_pixels == 1280 * 32 * 32
+
+
+def test_cli_overrides_are_relative_to_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = load_job(write(tmp_path, VALID), output="elsewhere", cache="c2")
+    assert job.output == tmp_path / "elsewhere" and job.cache == tmp_path / "c2"
+
+
+@pytest.mark.parametrize("text, expected", [
+    (VALID + "colour: red\n", "unknown field 'colour'"),
+    (VALID.replace("model: some/model\n", ""), "missing required field 'model'"),
+    (VALID + "max_error_rate: lots\n", "field 'max_error_rate'"),
+    (VALID.replace('prompt: "Convert."', 'prompt: "Convert."\n    max_tokens: -3'),
+     "field 'tasks.0.max_tokens'"),
+    (VALID + "  - name: md\n    prompt: again\n", "task names must be unique"),
+    (VALID + "render:\n  min_pixels: 900000\n  max_pixels: 300000\n", "min_pixels must not exceed"),
+    ("name: [unclosed\n", "invalid YAML (line"),
+    ("- just\n- a list\n", "must be a mapping"),
+    (VALID + "engine:\n  gpu_memory_util: 0.5\n", "unknown field 'engine.gpu_memory_util'"),
+])
+def test_invalid_job_names_file_and_field(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(JobFileError) as info:
+        load_job(path)
+    assert str(path) in str(info.value) and expected in str(info.value)
+
+
+def test_cli_exit_code_2_one_line_no_traceback(tmp_path):
+    path = write(tmp_path, VALID + "colour: red\n")
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 2
+    assert "unknown field 'colour'" in result.output and "Traceback" not in result.output
+
+
+def test_cli_missing_job_file_and_bad_flag_exit_2(tmp_path):
+    assert CliRunner().invoke(app, ["run", str(tmp_path / "nope.yaml")]).exit_code == 2
+    assert CliRunner().invoke(app, ["run", "x.yaml", "--limit", "0"]).exit_code == 2
+    assert CliRunner().invoke(app, ["run", "x.yaml", "--bogus"]).exit_code == 2
+
+
+def test_prompt_placeholders_by_name_other_braces_literal():
+    task = Task(name="t", prompt='Return {"a": 1, "b": [{}]} for {source} p{page}: {text_layer} {other}')
+    out = task.render_prompt(text_layer="HELLO", source="x.pdf", page=3)
+    assert out == 'Return {"a": 1, "b": [{}]} for x.pdf p3: HELLO {other}'
+
+
+def test_task_fingerprint_changes_with_prompt_and_sampling_not_name():
+    base = Task(name="a", prompt="p")
+    assert base.fingerprint() == Task(name="b", prompt="p").fingerprint()
+    assert base.fingerprint() != Task(name="a", prompt="q").fingerprint()
+    assert base.fingerprint() != Task(name="a", prompt="p", max_tokens=5).fingerprint()
