@@ -68,7 +68,12 @@ def default_engine_factory(job: Job) -> Engine:
 def default_text_tokens(job: Job) -> Callable[[str], int]:
     from vlbatch.engine.prompts import PromptBuilder
 
-    return PromptBuilder(job.model_path(), job.engine.trust_remote_code).text_tokens
+    try:
+        return PromptBuilder(job.model_path(), job.engine.trust_remote_code).text_tokens
+    except Exception as e:  # not a model folder, not on the hub, no processor
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JobCannotRunError(f"cannot load the model's processor from {job.model!r}: "
+                                f"{reason}") from e
 
 
 class _Pending:

@@ -1,0 +1,37 @@
+"""A fake engine for tests whose subject is not the engine (caching, dedupe, failures).
+It answers deterministically from the request's text and image bytes, and counts calls."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+from vlbatch.engine.base import Completion, Request
+
+
+class FakeEngine:
+    def __init__(self, fail_after: int | None = None, reject: str | None = None):
+        self.requests: list[Request] = []
+        self.fail_after = fail_after  # raise (engine died) after this many completions
+        self.reject = reject  # requests whose text contains this are rejected
+        self.closed = False
+
+    def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
+        for request in feed:
+            if request is None:
+                continue
+            if self.fail_after is not None and len(self.requests) >= self.fail_after:
+                raise RuntimeError("engine core died")
+            self.requests.append(request)
+            if self.reject and self.reject in request.text:
+                yield Completion(request.request_id, None, "request rejected: too long")
+                continue
+            digest = hashlib.sha256(request.image.tobytes() + request.text.encode()).hexdigest()
+            yield Completion(request.request_id, f"{request.task.name}:{digest[:12]}", None, 10, 3)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fake_text_tokens(job):
+    return lambda text: len(text.split())

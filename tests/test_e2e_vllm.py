@@ -1,0 +1,122 @@
+"""End to end through the real vLLM CPU engine and the tiny random Qwen3-VL: the demo job as
+a user runs it (a subprocess), Parquet read back with polars, exit codes; and the prompt
+token count checked against what vLLM reports."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pymupdf
+import pytest
+
+import oddfiles
+from conftest import ROOT, job_fields, run_cli
+from vlbatch.errors import OutputLocked
+from vlbatch.job import load_job
+from vlbatch.pipeline.write import OutputFolder
+
+DESIGN_COLUMNS = {  # DESIGN.md's results table
+    "source": pl.String, "page": pl.Int32, "task": pl.String, "output": pl.String,
+    "status": pl.String, "error": pl.String, "content_hash": pl.String, "phash": pl.String,
+    "cached": pl.Boolean, "reused_from": pl.String, "model": pl.String, "run_id": pl.String,
+}
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    """jobs/demo.yaml points at models/tiny-qwen3-vl, which the README's set-up builds."""
+    from vlbatch.models.tiny import build_tiny_model
+
+    return build_tiny_model(ROOT / "models" / "tiny-qwen3-vl")
+
+
+def expected_pages(folder) -> int:
+    pages = 0
+    for path in folder.iterdir():
+        pages += pymupdf.open(path).page_count if path.suffix == ".pdf" else 1
+    return pages
+
+
+def test_demo_job_end_to_end(demo_model, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    result = run_cli("run", str(ROOT / "jobs" / "demo.yaml"), "--output", str(out),
+                     "--cache-dir", str(cache))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pages/s" in result.stdout and "Traceback" not in result.stderr
+    df = pl.read_parquet(out / "results" / "*.parquet")
+    job = load_job(ROOT / "jobs" / "demo.yaml")
+    pages = expected_pages(ROOT / "data" / "samples")
+    assert df.height == pages * len(job.tasks) and pages == 7
+    assert (df["status"] == "ok").all() and df["output"].is_not_null().all()
+    assert df.select("source", "page", "task").unique().height == df.height
+    for column, dtype in DESIGN_COLUMNS.items():
+        assert df.schema[column] == dtype, column
+    assert (df["model"] == job.model).all() and df["run_id"].n_unique() == 1
+    dupes = df.filter(pl.col("reused_from").is_not_null())
+    assert dupes.height == len(job.tasks) and dupes["cached"].all()  # receipt.png = its copy
+    pages_table = pl.read_parquet(out / "pages" / "*.parquet")
+    assert pages_table.height == pages
+    report = pages_table.filter(pl.col("source").str.ends_with("report.pdf"))
+    assert report["text_layer"].str.contains("sample report").all()
+    manifest = json.loads(next((out / "_runs").glob("*.json")).read_text())
+    assert manifest["summary"]["rows_ok"] == df.height and manifest["versions"]["vllm"]
+
+    again = run_cli("run", str(ROOT / "jobs" / "demo.yaml"), "--output", str(out),
+                    "--cache-dir", str(cache))
+    assert again.returncode == 0
+    assert pl.read_parquet(out / "results" / "*.parquet").height == df.height  # no new rows
+
+
+def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "a.pdf", pages=3)
+    oddfiles.random_bytes(docs / "b-broken.pdf")
+    oddfiles.cmyk_jpeg(docs / "c.jpg")
+    job = write_job(job_fields(tiny_model, ["docs/*"], max_error_rate=0.5))
+    result = run_cli("run", str(job), "--limit", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    assert sorted(set(zip(df["source"], df["page"].fill_null(0)))) == [
+        ("docs/a.pdf", 1), ("docs/a.pdf", 2), ("docs/a.pdf", 3), ("docs/b-broken.pdf", 0)]
+    assert df.filter(pl.col("source") == "docs/b-broken.pdf")["status"].unique().to_list() == ["error"]
+    assert df.filter(pl.col("status") == "ok").height == 6
+
+    with OutputFolder(tmp_path / "out").lock():  # another run holds the output
+        locked = run_cli("run", str(job))
+    assert locked.returncode == OutputLocked.exit_code == 75
+    assert "another run holds" in locked.stderr and "Traceback" not in locked.stderr
+
+    nothing = run_cli("run", str(write_job(job_fields(tiny_model, ["none/*.pdf"]), "n.yaml")))
+    assert nothing.returncode == 3 and "no inputs matched" in nothing.stderr
+    missing = run_cli("run", str(write_job(job_fields(tmp_path / "no-model", ["docs/*"]), "m.yaml")))
+    assert missing.returncode == 3 and "no-model" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_prompt_token_count_equals_vllm_count(tiny_model, write_job, tmp_path):
+    from PIL import Image
+
+    from vlbatch.engine.base import Request
+    from vlbatch.engine.vllm_engine import VllmEngine
+    from vlbatch.pipeline.imaging import fit_to_budget
+
+    job = load_job(write_job(job_fields(tiny_model, ["*.pdf"])))
+    engine = VllmEngine(job)
+    try:
+        sizes = [(100, 100), (1240, 1754), (640, 300), (2000, 500), (33, 900)]
+        requests, expected = [], {}
+        for i, (w, h) in enumerate(sizes):
+            for task in job.tasks:
+                image = fit_to_budget(Image.new("RGB", (w, h), (i * 40, 90, 200)),
+                                      job.render.min_pixels, job.render.max_pixels)
+                text = task.render_prompt(text_layer="some text layer " * i)
+                rid = f"{i}-{task.name}"
+                requests.append(Request(rid, image, text, task))
+                expected[rid] = engine.prompts.prompt_tokens(text, image.width, image.height)
+        done = {c.request_id: c for c in engine.generate(iter(requests))}
+    finally:
+        engine.close()
+    assert {rid: c.prompt_tokens for rid, c in done.items()} == expected
+    assert all(c.error is None and c.output_tokens >= 1 for c in done.values())

@@ -1,0 +1,160 @@
+"""The run around the engine, with a fake engine that counts requests: re-runs, new and
+changed tasks, duplicates, the result cache, failures and the error budget."""
+
+from __future__ import annotations
+
+import shutil
+
+import polars as pl
+import pytest
+
+import oddfiles
+from conftest import job_fields
+from fakes import FakeEngine, fake_text_tokens
+from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
+from vlbatch.job import load_job
+from vlbatch.runner import JobRun
+
+
+def run(job_path, engine=None, **kwargs):
+    engine = engine or FakeEngine()
+    stats = JobRun(load_job(job_path, **{k: kwargs.pop(k) for k in ("output", "cache") if k in kwargs}),
+                   engine_factory=lambda job: engine, text_tokens=fake_text_tokens,
+                   **kwargs).execute()
+    return stats, engine
+
+
+def results(job_path, output="out"):
+    return pl.read_parquet(job_path.parent / output / "results" / "*.parquet")
+
+
+def test_rerun_new_task_changed_prompt_and_cache(samples, write_job, tmp_path):
+    fields = job_fields("fake-model", [f"{samples}/*"])
+    job = write_job(fields)
+    stats, engine = run(job)
+    # 7 pages (3 PDF pages, 4 images of which one is an exact copy) x 2 tasks
+    assert stats.pages_total == 7 and stats.rows_ok == 14
+    assert len(engine.requests) == 12 and stats.duplicates_merged == 2
+    first = results(job)
+    copy_rows = first.filter(pl.col("source").str.ends_with("receipt.png"))
+    assert copy_rows["cached"].all() and copy_rows["reused_from"].str.ends_with("receipt-copy.png#1").all()
+
+    stats, engine = run(job)  # identical re-run: nothing generated, no rows written
+    assert len(engine.requests) == 0 and stats.pages_already_done == 7
+    assert results(job).height == 14
+
+    fields["tasks"].append({"name": "third", "prompt": "A third question."})
+    stats, engine = run(write_job(fields))  # a new task: only that task
+    assert {r.task.name for r in engine.requests} == {"third"} and len(engine.requests) == 6
+    fields["tasks"][0]["prompt"] = "Describe this page differently."
+    stats, engine = run(write_job(fields))  # a changed prompt: only that task again
+    assert {r.task.name for r in engine.requests} == {"describe"}
+    current = results(job).sort("finished_at").group_by("source", "page", "task").last()
+    assert current.height == 21 and (current["status"] == "ok").all()
+
+    # a new output folder with the same cache: everything served from the cache
+    stats, engine = run(job, output=str(tmp_path / "out2"))
+    assert len(engine.requests) == 0 and stats.cache_hits > 0
+    fresh = pl.read_parquet(tmp_path / "out2" / "results" / "*.parquet")
+    assert fresh.height == 21 and fresh["cached"].all()
+    joined = fresh.join(current, on=["source", "page", "task"])
+    assert (joined["output"] == joined["output_right"]).all()
+
+
+def test_changed_source_file_is_generated_again(samples, write_job):
+    job = write_job(job_fields("fake-model", [f"{samples}/*.png"], result_cache=False))
+    run(job)
+    shutil.copyfile(samples / "chart.jpg", samples / "receipt.png")  # same name, new content
+    stats, engine = run(job)
+    assert {r.request_id for r in engine.requests} and len(engine.requests) == 2
+    assert stats.pages_already_done == 1
+
+
+def test_corrupt_cache_entry_is_recomputed(samples, write_job, tmp_path):
+    import diskcache
+
+    job = write_job(job_fields("fake-model", [f"{samples}/chart.jpg"]))
+    run(job)
+    with diskcache.Cache(str(tmp_path / "cache" / "results")) as cache:
+        keys = list(cache.iterkeys())
+        assert len(keys) == 2
+        cache.set(keys[0], b"\xff not json")
+    stats, engine = run(job, output=str(tmp_path / "out2"))
+    assert len(engine.requests) == 1 and stats.cache_corrupt == 1 and stats.cache_hits == 1
+
+
+def test_bad_files_become_error_rows_and_the_run_goes_on(write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "good.pdf", pages=2)
+    oddfiles.random_bytes(docs / "noise.pdf")
+    oddfiles.zero_page_pdf(docs / "empty.pdf")
+    oddfiles.pdf(docs / "locked.pdf", encrypt_password="pw")
+    oddfiles.bomb_png(docs / "bomb.png")
+    oddfiles.multi_tiff(docs / "frames.tiff", frames=2)
+    (docs / "notes.txt").write_text("not a document")
+    stats, _ = run(write_job(job_fields("fake-model", ["docs/*"])))
+    df = results(write_job(job_fields("fake-model", ["docs/*"])))
+    by_source = df.group_by("source").agg(pl.col("status"), pl.col("page"), pl.col("error").first())
+    statuses = {row["source"]: set(row["status"]) for row in by_source.to_dicts()}
+    assert statuses == {"docs/good.pdf": {"ok"}, "docs/frames.tiff": {"ok"}, "docs/noise.pdf": {"error"},
+                        "docs/empty.pdf": {"error"}, "docs/locked.pdf": {"error"},
+                        "docs/bomb.png": {"error"}, "docs/notes.txt": {"error"}}
+    errors = df.filter(pl.col("status") == "error")
+    assert errors["page"].is_null().all() and errors["error"].is_not_null().all()
+    assert errors["output"].is_null().all()
+    assert df.height == 2 * (2 + 2 + 5)  # 2 tasks x (4 pages + 5 files that failed)
+    locked = errors.filter(pl.col("source") == "docs/locked.pdf")["error"][0]
+    assert "encrypted" in locked
+
+
+def test_engine_death_mid_run_gives_error_rows(samples, write_job):
+    job = write_job(job_fields("fake-model", [f"{samples}/*"], result_cache=False))
+    stats, engine = run(job, engine=FakeEngine(fail_after=4))
+    df = results(job)
+    assert df.height == 14  # nothing lost
+    assert (df["status"] == "ok").sum() >= 4
+    assert df.filter(pl.col("status") == "error")["error"].str.starts_with("engine failed").all()
+
+
+def test_rejected_request_is_an_error_row(samples, write_job):
+    fields = job_fields("fake-model", [f"{samples}/chart.jpg"])
+    fields["tasks"][1]["prompt"] = "LONG " * 5
+    job = write_job(fields)
+    stats, engine = run(job, engine=FakeEngine(reject="LONG"))
+    df = results(job).sort("task")
+    assert df["status"].to_list() == ["ok", "error"]
+
+
+def test_error_budget_and_retry_errors(write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "good.pdf", pages=1)
+    oddfiles.random_bytes(docs / "bad.pdf")
+    job = write_job(job_fields("fake-model", ["docs/*"], max_error_rate=0.25))
+    with pytest.raises(ErrorBudgetExceeded, match="1 of 2 pages failed"):
+        run(job)
+    stats, engine = run(job)  # error rows count as done...
+    assert stats.pages_todo == 0
+    with pytest.raises(ErrorBudgetExceeded):  # ...unless a retry is asked (still broken)
+        run(job, retry_errors=True)
+    oddfiles.pdf(docs / "bad.pdf", pages=1, text="Mended")  # ...or the file changes
+    stats, engine = run(job)
+    assert stats.pages_todo == 1 and len(engine.requests) == 2 and stats.rows_ok == 2
+    df = results(job)
+    assert df.filter(pl.col("source") == "docs/bad.pdf")["status"].to_list().count("error") == 4
+
+
+def test_limit_counts_pages_in_input_order(samples, write_job):
+    job = write_job(job_fields("fake-model", [f"{samples}/*"]))
+    stats, engine = run(job, limit=2)
+    df = results(job)
+    # sorted paths: chart.jpg, receipt-copy.png, ...
+    assert sorted(set(df["source"].to_list())) == [f"{samples}/chart.jpg", f"{samples}/receipt-copy.png"]
+    stats, engine = run(job, limit=4)  # the first two count as done
+    assert stats.pages_already_done == 2 and stats.pages_todo == 2
+
+
+def test_no_inputs_is_exit_3(write_job):
+    with pytest.raises(JobCannotRunError, match="no inputs matched"):
+        run(write_job(job_fields("fake-model", ["nothing/*.pdf"])))
