@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -82,6 +83,51 @@ def run(
         return
     out_console.print(summary_table(stats))
     out_console.print(f"results: {job.output / 'results'}")
+
+
+@app.command()
+def inspect(
+    output: Path = typer.Argument(..., help="An output folder of vlbatch run."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+) -> None:
+    """Runs, rows by task and status, top error reasons and throughput of an output folder."""
+    from rich.table import Table
+
+    from vlbatch.inspect_output import inspect_output
+
+    try:
+        report = inspect_output(output)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    runs = Table(title=f"runs in {output}", title_justify="left")
+    for column in ("run_id", "status", "pages", "generated", "cache_hits", "rows_ok",
+                   "rows_error", "seconds", "pages_per_s"):
+        runs.add_column(column, justify="left" if column in ("run_id", "status") else "right")
+    for run in report["runs"]:
+        runs.add_row(*(str(run.get(c.header, "")) for c in runs.columns))
+    out_console.print(runs)
+    current = report["current"]
+    if current:
+        out_console.print(f"current rows: {current['rows']} ({current['ok']} ok, {current['error']} "
+                          f"error) over {current['pages']} pages of {current['sources']} sources; "
+                          f"{report['rows_written']} rows written in all")
+        tasks = Table(title="current rows by task", title_justify="left")
+        for column in ("task", "status", "rows"):
+            tasks.add_column(column)
+        for row in report["by_task"]:
+            tasks.add_row(row["task"], row["status"], str(row["len"]))
+        out_console.print(tasks)
+    if report["top_errors"]:
+        errors = Table(title="top error reasons", title_justify="left")
+        errors.add_column("rows", justify="right")
+        errors.add_column("error")
+        for row in report["top_errors"]:
+            errors.add_row(str(row["rows"]), row["error"])
+        out_console.print(errors)
 
 
 @app.command("make-tiny-model")

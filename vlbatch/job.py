@@ -98,6 +98,8 @@ class Job(_Strict):
     render: Render = Render()
     engine: Engine = Engine()
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    part_rows: int = Field(default=1000, ge=1)  # a results part is written every N rows...
+    part_seconds: float = Field(default=30.0, gt=0)  # ...or every N seconds: the resume point
     result_cache: bool = True  # answers outlive the run in the cache folder
     cache_namespace: str = Field(default="default", min_length=1)  # tenants never share answers
     base_dir: Path = Field(default=Path("."), exclude=True)  # the job file's folder

@@ -295,8 +295,10 @@ class JobRun:
                 raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
             stats.sources = len(sources)
             cache = ResultCache(job.cache, job.cache_namespace) if job.result_cache else None
-            self.results = PartWriter(output.results, stats.run_id, RESULT_SCHEMA)
-            self.pages = PartWriter(output.pages, stats.run_id, PAGE_SCHEMA)
+            self.results = PartWriter(output.results, stats.run_id, RESULT_SCHEMA,
+                                      job.part_rows, job.part_seconds)
+            self.pages = PartWriter(output.pages, stats.run_id, PAGE_SCHEMA,
+                                    job.part_rows, job.part_seconds)
             workers = default_workers(job.render.workers)
             status = "failed"
             try:

@@ -1,0 +1,135 @@
+"""GPU benchmark: raw vLLM `LLM.generate` over pages pre-rendered in memory vs `vlbatch run`
+end to end (PDF files on disk -> Parquet), identical engine settings, each in its own
+process with a fresh engine (no shared prefix or result cache).
+
+    python scripts/bench_gpu.py job  --model DIR --pages-dir DIR --work DIR [--tasks 1]
+    python scripts/bench_gpu.py raw    --job WORK/job.yaml --json OUT.json
+    python scripts/bench_gpu.py vlbatch --job WORK/job.yaml --json OUT.json
+
+`job` writes the job file (W1: A4 at 150 dpi capped at 1280*32*32 pixels, 256 output tokens
+forced, greedy, load_format dummy). Rates exclude engine start; both include everything
+else (raw: building the prompts and vLLM's own input processing; vlbatch: reading the PDFs,
+rendering, hashing, planning, writing Parquet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TASKS = [("markdown", "Convert this page to Markdown."),
+         ("summary", "Summarise this page in three sentences."),
+         ("fields", 'Return JSON {"title": ..., "date": ..., "total": ...} for this page.'),
+         ("tables", "List every table on this page as CSV.")]
+
+
+def write_job(args) -> None:
+    import yaml
+
+    job = {
+        "name": f"bench-w{'1' if args.tasks == 1 else '3'}",
+        "inputs": [str(Path(args.pages_dir).resolve() / "*.pdf")],
+        "output": str(Path(args.work).resolve() / "out"),
+        "cache": str(Path(args.work).resolve() / "cache"),
+        "model": str(Path(args.model).resolve()),
+        "result_cache": False,
+        "tasks": [{"name": n, "prompt": p, "max_tokens": 256, "ignore_eos": True,
+                   "temperature": 0.0} for n, p in TASKS[:args.tasks]],
+        "render": {"dpi": 150, "max_pixels": 1280 * 32 * 32},
+        "engine": {"load_format": "dummy", "max_model_len": 4096,
+                   **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {})},
+    }
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    (Path(args.work) / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    print(Path(args.work) / "job.yaml")
+
+
+def run_raw(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vlbatch.engine.prompts import PromptBuilder
+    from vlbatch.engine.vllm_engine import engine_kwargs
+    from vlbatch.job import load_job
+    from vlbatch.pipeline import ingest
+    from vlbatch.pipeline.discover import discover
+    from vlbatch.pipeline.workers import WorkerPool, default_workers
+
+    job = load_job(args.job)
+    r = job.render
+    sources = discover(job.inputs, job.base_dir)
+    started = time.monotonic()
+    with WorkerPool(default_workers(0), 120) as pool:
+        probes = [p for _, p in pool.imap(ingest.probe, sources, lambda s: (s.abs_path, r.dpi, None))]
+        units = [(s.abs_path, p.kind, pg.page) for s, p in zip(sources, probes) for pg in p.pages]
+        images = [page.image() for _, page in pool.imap(ingest.render_page, units, lambda u: (
+            *u, r.dpi, r.min_pixels, r.max_pixels, None))]
+    render_s = time.monotonic() - started
+    prompts = PromptBuilder(job.model_path())
+    t0 = time.monotonic()
+    llm = LLM(**engine_kwargs(job))
+    engine_start_s = time.monotonic() - t0
+    requests, params = [], []
+    for image in images:  # a page's tasks together, as vlbatch keeps them
+        for task in job.tasks:
+            requests.append({"prompt": prompts.chat_prompt(task.prompt),
+                             "multi_modal_data": {"image": image}})
+            params.append(SamplingParams(max_tokens=task.max_tokens, temperature=task.temperature,
+                                         ignore_eos=task.ignore_eos))
+    t0 = time.monotonic()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.monotonic() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"mode": "raw", "pages": len(images), "requests": len(outputs),
+            "render_s": round(render_s, 1), "engine_start_s": round(engine_start_s, 1),
+            "generate_s": round(seconds, 2), "pages_per_s": round(len(images) / seconds, 2),
+            "requests_per_s": round(len(outputs) / seconds, 2),
+            "prompt_tokens_per_request": round(prompt_tokens / len(outputs), 1),
+            "output_tokens": out_tokens}
+
+
+def run_vlbatch(args) -> dict:
+    from vlbatch.job import load_job
+    from vlbatch.runner import JobRun
+
+    job = load_job(args.job)
+    stats = JobRun(job).execute()
+    run_s = stats.seconds - (stats.engine_start_s or 0)
+    return {"mode": "vlbatch", "pages": stats.pages_finished, "requests": stats.generated,
+            "rows_ok": stats.rows_ok, "rows_error": stats.rows_error,
+            "engine_start_s": stats.engine_start_s, "total_s": stats.seconds,
+            "run_s_excluding_engine_start": round(run_s, 2),
+            "pages_per_s": round(stats.pages_finished / run_s, 2),
+            "requests_per_s": round(stats.generated / run_s, 2),
+            "prompt_tokens_per_request": round(stats.prompt_tokens / max(stats.generated, 1), 1),
+            "output_tokens": stats.output_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["job", "raw", "vlbatch"])
+    parser.add_argument("--model")
+    parser.add_argument("--pages-dir")
+    parser.add_argument("--work")
+    parser.add_argument("--tasks", type=int, default=1)
+    parser.add_argument("--max-in-flight", type=int, default=0)
+    parser.add_argument("--job")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.mode == "job":
+        write_job(args)
+        return
+    result = run_raw(args) if args.mode == "raw" else run_vlbatch(args)
+    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    print(json.dumps(result), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Nightly semantics: kill and resume a real run, incremental runs, the README's queries,
+the error-budget exit code and `vlbatch inspect`."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import polars as pl
+
+import make_pages
+import oddfiles
+from conftest import ROOT, job_fields, run_cli
+from fakes import FakeEngine, fake_text_tokens
+from vlbatch.job import load_job
+from vlbatch.runner import JobRun
+
+KEY = ["source", "page", "task"]
+
+
+def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
+    make_pages.main(tmp_path / "docs", 40, per_pdf=8)
+    fields = job_fields(tiny_model, ["docs/*.pdf"], part_rows=4, part_seconds=600)
+    fields["engine"]["max_in_flight"] = 1  # one request at a time: a window to kill in
+    for task in fields["tasks"]:
+        task["max_tokens"] = 24
+    job = write_job(fields)
+    results = tmp_path / "out" / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "vlbatch", "run", str(job)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while len(list(results.glob("part-*.parquet"))) < 3 and proc.poll() is None:
+        assert time.monotonic() < deadline, "no results part appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    first = pl.read_parquet(results / "part-*.parquet")
+    assert 0 < first.height < 80 and (tmp_path / "out" / ".lock").exists()
+
+    resumed = run_cli("run", str(job))  # the dead run's lock is taken over
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    df = pl.read_parquet(results / "part-*.parquet")
+    assert df.height == 80 and not df.select(KEY).is_duplicated().any()  # each key once
+    assert (df["status"] == "ok").all()
+    second = df.filter(pl.col("run_id") != first["run_id"][0])
+    assert second.join(first, on=KEY).height == 0  # finished rows not done again
+    manifest = json.loads((tmp_path / "out" / "_runs" / f"{second['run_id'][0]}.json").read_text())
+    summary = manifest["summary"]
+    assert summary["pages_already_done"] >= first.height // 2 - 1
+    # answers finished but not yet written when killed come from the result cache
+    assert summary["generated"] + summary["cache_hits"] + summary["duplicates_merged"] == second.height
+
+
+def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("a", "b", "c"):
+        oddfiles.pdf(docs / f"{name}.pdf", pages=2, text=f"file {name}")
+    job = write_job(job_fields("fake-model", ["docs/*.pdf"]))
+
+    def run() -> FakeEngine:
+        engine = FakeEngine()
+        JobRun(load_job(job), engine_factory=lambda j: engine, text_tokens=fake_text_tokens).execute()
+        return engine
+
+    assert len(run().requests) == 12
+    oddfiles.pdf(docs / "b.pdf", pages=2, text="file b, second edition")  # changed
+    oddfiles.pdf(docs / "d.pdf", pages=1, text="file d")  # new
+    engine = run()
+    assert sorted({r.text for r in engine.requests}) and len(engine.requests) == 6
+    current = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    assert current.select(KEY).unique().height == 14 and current.height == 18
+
+
+def readme_block(language: str, containing: str) -> str:
+    blocks = re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return next(b for b in blocks if containing in b)
+
+
+def test_readme_queries_as_written(samples, write_job, tmp_path, monkeypatch):
+    job = write_job(job_fields("fake-model", [f"{samples}/*"], output="out/demo"))
+    for prompt in ("first", "second"):  # two answers for every key: the newest is current
+        fields = job_fields("fake-model", [f"{samples}/*"], output="out/demo")
+        fields["tasks"][0]["prompt"] = prompt
+        job = write_job(fields)
+        JobRun(load_job(job), engine_factory=lambda j: FakeEngine(),
+               text_tokens=fake_text_tokens).execute()
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(readme_block("python", "scan_parquet"), scope)
+    current = scope["current"]
+    assert current.height == 14 and not current.select(KEY).is_duplicated().any()
+    all_rows = pl.read_parquet("out/demo/results/*.parquet")
+    newest = all_rows.sort("finished_at").group_by(KEY).last()
+    assert sorted(current["output"].to_list()) == sorted(newest["output"].to_list())
+
+    import duckdb
+
+    sql = readme_block("sql", "QUALIFY")
+    from_duckdb = duckdb.sql(sql).pl()
+    assert from_duckdb.height == 14
+    joined = from_duckdb.join(current, on=KEY)
+    assert (joined["output"] == joined["output_right"]).all()
+
+
+def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.random_bytes(docs / "x.pdf")
+    oddfiles.truncated_png(docs / "y.png")
+    job = write_job(job_fields("no-model-needed", ["docs/*"], max_error_rate=0.5))
+    result = run_cli("run", str(job))
+    assert result.returncode == 4 and "over max_error_rate" in result.stderr
+    report = json.loads(run_cli("inspect", str(tmp_path / "out"), "--json").stdout)
+    assert report["current"] == {"rows": 4, "ok": 0, "error": 4, "sources": 2, "pages": 2}
+    assert len(report["runs"]) == 1 and report["runs"][0]["rows_error"] == 4
+    assert sum(e["rows"] for e in report["top_errors"]) == 4
+    table = run_cli("inspect", str(tmp_path / "out"))
+    assert table.returncode == 0 and "top error reasons" in table.stdout

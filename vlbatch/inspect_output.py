@@ -1,0 +1,57 @@
+"""`vlbatch inspect OUTPUT`: what an output folder holds, from its Parquet parts and run
+manifests: runs, the current rows by task and status, top error reasons, throughput."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlbatch.errors import JobCannotRunError
+
+
+def current_rows(results_glob: str):
+    """The current answer for every page x task: its newest row (the README's query)."""
+    import polars as pl
+
+    return (pl.scan_parquet(results_glob).sort("finished_at")
+            .group_by("source", "page", "task").last().collect())
+
+
+def inspect_output(root: Path) -> dict:
+    import polars as pl
+
+    root = Path(root)
+    if not (root / "results").is_dir() and not (root / "_runs").is_dir():
+        raise JobCannotRunError(f"{root} is not a vlbatch output folder (no results/ or _runs/)")
+    runs = []
+    for path in sorted((root / "_runs").glob("*.json")):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            runs.append({"run_id": path.stem, "status": f"unreadable manifest: {e}"})
+            continue
+        s = manifest.get("summary", {})
+        runs.append({"run_id": manifest.get("run_id"), "status": manifest.get("status"),
+                     "finished_at": manifest.get("finished_at"), "pages": s.get("pages_finished"),
+                     "generated": s.get("generated"), "cache_hits": s.get("cache_hits"),
+                     "duplicates_merged": s.get("duplicates_merged"), "rows_ok": s.get("rows_ok"),
+                     "rows_error": s.get("rows_error"), "seconds": s.get("seconds"),
+                     "pages_per_s": s.get("pages_per_s")})
+    report: dict = {"output": str(root), "runs": runs, "rows_written": 0, "current": {},
+                    "by_task": [], "top_errors": [], "pages": 0}
+    if not list((root / "results").glob("part-*.parquet")):
+        return report
+    glob = str(root / "results" / "part-*.parquet")
+    report["rows_written"] = pl.scan_parquet(glob).select(pl.len()).collect().item()
+    current = current_rows(glob)
+    report["current"] = {"rows": current.height,
+                         "ok": current.filter(pl.col("status") == "ok").height,
+                         "error": current.filter(pl.col("status") == "error").height,
+                         "sources": current["source"].n_unique(),
+                         "pages": current.select("source", "page").unique().height}
+    report["by_task"] = (current.group_by("task", "status").len().sort("task", "status")
+                         .to_dicts())
+    report["top_errors"] = (current.filter(pl.col("status") == "error")
+                            .group_by("error").len().sort("len", descending=True).head(10)
+                            .rename({"len": "rows"}).to_dicts())
+    return report
