@@ -40,3 +40,4 @@ python3 scripts/bench_gpu.py vlbatch --job /tmp/w1/job.yaml --json "$OUT/w1-vlba
 tail -2 "$OUT/w1-vlbatch.log"
 python3 scripts/bench_gpu.py raw --job /tmp/w1/job.yaml --json "$OUT/w1-raw.json" > "$OUT/w1-raw.log" 2>&1
 tail -2 "$OUT/w1-raw.log"
+echo "elapsed $SECONDS s"

@@ -46,6 +46,7 @@ class RunStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     engine_start_s: float | None = None
+    generation_s: float | None = None  # from engine ready to the last answer
     seconds: float = 0.0
     pages_per_s: float = 0.0
     cache_corrupt: int = 0
@@ -273,9 +274,11 @@ class JobRun:
             yield from feed
 
         stream = chained()
+        ready = time.monotonic()
         try:
             for done in self.engine.generate(stream):
                 self._complete(done, cache)
+            self.stats.generation_s = round(time.monotonic() - ready, 2)
         except Exception as e:  # the engine died mid-run: every request left gets a row
             log.error("engine failed mid-run: %s", e)
             reason = f"engine failed: {e}"
