@@ -33,5 +33,11 @@ class FakeEngine:
         self.closed = True
 
 
-def fake_text_tokens(job):
-    return lambda text: len(text.split())
+class FakePrompts:
+    @staticmethod
+    def text_tokens(text: str) -> int:
+        return len(text.split())
+
+
+def fake_prompts(job):
+    return FakePrompts()

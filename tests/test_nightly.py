@@ -15,7 +15,7 @@ import polars as pl
 import make_pages
 import oddfiles
 from conftest import ROOT, job_fields, run_cli
-from fakes import FakeEngine, fake_text_tokens
+from fakes import FakeEngine, fake_prompts
 from vlbatch.job import load_job
 from vlbatch.runner import JobRun
 
@@ -65,7 +65,7 @@ def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
 
     def run() -> FakeEngine:
         engine = FakeEngine()
-        JobRun(load_job(job), engine_factory=lambda j: engine, text_tokens=fake_text_tokens).execute()
+        JobRun(load_job(job), engine_factory=lambda j, p: engine, prompts_factory=fake_prompts).execute()
         return engine
 
     assert len(run().requests) == 12
@@ -88,8 +88,8 @@ def test_readme_queries_as_written(samples, write_job, tmp_path, monkeypatch):
         fields = job_fields("fake-model", [f"{samples}/*"], output="out/demo")
         fields["tasks"][0]["prompt"] = prompt
         job = write_job(fields)
-        JobRun(load_job(job), engine_factory=lambda j: FakeEngine(),
-               text_tokens=fake_text_tokens).execute()
+        JobRun(load_job(job), engine_factory=lambda j, p: FakeEngine(),
+               prompts_factory=fake_prompts).execute()
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(readme_block("python", "scan_parquet"), scope)

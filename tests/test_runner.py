@@ -10,7 +10,7 @@ import pytest
 
 import oddfiles
 from conftest import job_fields
-from fakes import FakeEngine, fake_text_tokens
+from fakes import FakeEngine, fake_prompts
 from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
 from vlbatch.job import load_job
 from vlbatch.runner import JobRun
@@ -19,7 +19,7 @@ from vlbatch.runner import JobRun
 def run(job_path, engine=None, **kwargs):
     engine = engine or FakeEngine()
     stats = JobRun(load_job(job_path, **{k: kwargs.pop(k) for k in ("output", "cache") if k in kwargs}),
-                   engine_factory=lambda job: engine, text_tokens=fake_text_tokens,
+                   engine_factory=lambda job, prompts: engine, prompts_factory=fake_prompts,
                    **kwargs).execute()
     return stats, engine
 

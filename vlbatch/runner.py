@@ -9,6 +9,7 @@ import queue
 import secrets
 import threading
 import time
+from concurrent.futures import Future
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -51,6 +52,7 @@ class RunStats:
     pages_per_s: float = 0.0
     cache_corrupt: int = 0
     error_reasons: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
 
 ProgressCallback = Callable[[RunStats], None]
@@ -60,21 +62,37 @@ def new_run_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
 
 
-def default_engine_factory(job: Job) -> Engine:
+def default_engine_factory(job: Job, prompts) -> Engine:
     from vlbatch.engine.vllm_engine import VllmEngine
 
-    return VllmEngine(job)
+    return VllmEngine(job, prompts)
 
 
-def default_text_tokens(job: Job) -> Callable[[str], int]:
+def default_prompts(job: Job):
+    """The model's processor (chat template, tokenizer): token counts for planning, and the
+    prompts the engine sends. Loaded once, while the inputs are probed."""
     from vlbatch.engine.prompts import PromptBuilder
 
     try:
-        return PromptBuilder(job.model_path(), job.engine.trust_remote_code).text_tokens
+        return PromptBuilder(job.model_path(), job.engine.trust_remote_code)
     except Exception as e:  # not a model folder, not on the hub, no processor
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise JobCannotRunError(f"cannot load the model's processor from {job.model!r}: "
                                 f"{reason}") from e
+
+
+def _in_background(fn: Callable, *args) -> Future:
+    """Run fn in a daemon thread (never waited for when its result is not needed)."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever asks for the result
+            future.set_exception(e)
+
+    threading.Thread(target=target, name="vlbatch-load", daemon=True).start()
+    return future
 
 
 class _Pending:
@@ -87,13 +105,16 @@ class _Pending:
 
 class JobRun:
     def __init__(self, job: Job, *, limit: int | None = None, retry_errors: bool = False,
-                 engine_factory: Callable[[Job], Engine] = default_engine_factory,
-                 text_tokens: Callable[[Job], Callable[[str], int]] = default_text_tokens,
+                 engine_factory: Callable[[Job, object], Engine] = default_engine_factory,
+                 prompts_factory: Callable[[Job], object] = default_prompts,
                  progress: ProgressCallback | None = None):
         self.job, self.limit, self.retry_errors = job, limit, retry_errors
-        self.engine_factory, self.text_tokens = engine_factory, text_tokens
+        self.engine_factory, self.prompts_factory = engine_factory, prompts_factory
+        self.prompts = None
         self.progress = progress or (lambda stats: None)
         self.stats = RunStats(run_id=new_run_id())
+        self.timings = self.stats.timings
+        self._last_lap = time.monotonic()
         self.engine: Engine | None = None
         self.engine_version: str | None = None
         self._pending: dict[str, _Pending] = {}
@@ -101,6 +122,11 @@ class JobRun:
         self._answered: dict[str, tuple[str, Completion]] = {}  # key -> (origin page, answer)
         self._tasks_left: dict[int, int] = {}  # unit order -> rows still to write
         self._error_pages: set[int] = set()
+
+    def _lap(self) -> float:
+        now = time.monotonic()
+        seconds, self._last_lap = round(now - self._last_lap, 2), now
+        return seconds
 
     # ----- rows -----
     def _row(self, unit: PageUnit, task: Task, *, output: str | None = None,
@@ -264,8 +290,9 @@ class JobRun:
                 break
         if first is None:
             return  # nothing to generate: the engine is never started
+        self.timings["to_first_request_s"] = self._lap()
         started = time.monotonic()
-        self.engine = self.engine_factory(self.job)
+        self.engine = self.engine_factory(self.job, self.prompts)
         self.stats.engine_start_s = round(time.monotonic() - started, 1)
         self.engine_version = getattr(self.engine, "version", None)
 
@@ -279,6 +306,7 @@ class JobRun:
             for done in self.engine.generate(stream):
                 self._complete(done, cache)
             self.stats.generation_s = round(time.monotonic() - ready, 2)
+            self._lap()
         except Exception as e:  # the engine died mid-run: every request left gets a row
             log.error("engine failed mid-run: %s", e)
             reason = f"engine failed: {e}"
@@ -293,7 +321,9 @@ class JobRun:
         started = time.monotonic()
         output = OutputFolder(job.output)
         with output.lock():
+            self._lap()
             sources = discover(job.inputs, job.base_dir)
+            self.timings["discover_s"] = self._lap()
             if not sources:
                 raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
             stats.sources = len(sources)
@@ -306,7 +336,9 @@ class JobRun:
             status = "failed"
             try:
                 with WorkerPool(workers, job.render.page_timeout_s) as pool:
+                    prompts = _in_background(self.prompts_factory, job)  # while probing
                     units = page_units(sources, self._probe_all(pool, sources))
+                    self.timings["probe_s"] = self._lap()
                     scope = units if self.limit is None else units[:self.limit]
                     todo = select_todo(scope, job.tasks, self._is_done(output.done_keys(
                         self.retry_errors)))
@@ -320,13 +352,16 @@ class JobRun:
                             self._error_rows(unit, unit.error)
                     renderable = [u for u in todo if not u.error]
                     if renderable:
+                        self.prompts = prompts.result()
                         renderable = order_for_generation(
-                            renderable, self.text_tokens(job), job.render.min_pixels,
+                            renderable, self.prompts.text_tokens, job.render.min_pixels,
                             job.render.max_pixels)
+                        self.timings["plan_s"] = self._lap()
                         feed = self._feed(renderable, self._render_ahead(pool, renderable), cache)
                         self._generate(feed, cache)
                 status = "finished"
             finally:
+                self._lap()
                 self.results.flush()
                 self.pages.flush()
                 if self.engine is not None:
@@ -334,6 +369,7 @@ class JobRun:
                 if cache:
                     stats.cache_corrupt = cache.corrupt
                     cache.close()
+                self.timings["finish_s"] = self._lap()
                 stats.seconds = round(time.monotonic() - started, 2)
                 stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
                 output.write_manifest(stats.run_id, self._manifest(status, sources))
