@@ -83,7 +83,9 @@ class Engine(_Strict):
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     seed: int = 0
-    max_in_flight: int = Field(default=256, ge=1)  # requests handed to vLLM at once
+    # requests handed to vLLM at once: enough to fill the KV cache (H200, 30B-A3B: ~450 W1
+    # requests resident), bounded so host memory stays flat
+    max_in_flight: int = Field(default=512, ge=1)
     cpu_kv_cache_gib: float = Field(default=2.0, gt=0)  # CPU build only
     trust_remote_code: bool = False
 
