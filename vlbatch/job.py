@@ -69,6 +69,20 @@ class Render(_Strict):
         return self
 
 
+class Dedupe(_Strict):
+    """Near-duplicate merging: candidates by perceptual hash, then a pixel-level check."""
+
+    near_duplicates: bool = True  # exact copies (same pixels) always merge
+    max_phash_distance: int = Field(default=24, ge=0, le=256)  # of 256 bits
+    # the pixel check (pipeline/dedupe.py): the largest block difference (0-255) and how far
+    # it may stand out above the 20th largest (a local change of content), for the same
+    # raster (JPEG, noise) and for re-renders that carry the same text layer
+    max_block_diff: float = Field(default=11.0, ge=0.0, le=255.0)
+    max_peak_ratio: float = Field(default=2.0, ge=1.0)
+    rerender_max_block_diff: float = Field(default=45.0, ge=0.0, le=255.0)
+    rerender_max_peak_ratio: float = Field(default=3.5, ge=1.0)
+
+
 class Engine(_Strict):
     """vLLM engine settings (None: vLLM's own default)."""
 
@@ -99,6 +113,7 @@ class Job(_Strict):
     tasks: list[Task] = Field(min_length=1)
     render: Render = Render()
     engine: Engine = Engine()
+    dedupe: Dedupe = Dedupe()
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)
     part_rows: int = Field(default=1000, ge=1)  # a results part is written every N rows...
     part_seconds: float = Field(default=30.0, gt=0)  # ...or every N seconds: the resume point

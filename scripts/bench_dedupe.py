@@ -1,0 +1,147 @@
+"""Dedupe precision and recall on a generated set: pairs that must merge (re-renders at
+other DPIs, JPEG re-encodings at quality 70-95, PNG vs JPEG), should merge (light scan-like
+noise) and must never merge (one template with one field changed; different pages of one
+document). Prints the pHash distance and the pixel check's block difference of every pair,
+and the merge decisions at the job's default thresholds.
+
+    python scripts/bench_dedupe.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pymupdf
+from PIL import Image, ImageFilter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vlbatch.job import Dedupe  # noqa: E402
+from vlbatch.pipeline import imaging  # noqa: E402
+from vlbatch.pipeline.dedupe import compare_pixels, hamming, same_page  # noqa: E402
+
+MIN, MAX = 64 * 32 * 32, 1280 * 32 * 32
+DOCUMENTS = [("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 EUR"),
+             ("INV-2025-93810", "2025-02-03", "Okonkwo Trading", "88.00 USD"),
+             ("PO-7741", "2026-06-15", "Li Wei", "15,870.25 CNY")]
+
+
+def invoice(number: str, date: str, name: str, amount: str, page_no: int = 1) -> bytes:
+    doc = pymupdf.open()
+    page = doc.new_page(width=595, height=842)
+    page.insert_text((56, 70), "ACME Supplies Ltd - INVOICE", fontsize=18, fontname="hebo")
+    page.insert_text((56, 110), f"Invoice number: {number}", fontsize=11)
+    page.insert_text((56, 128), f"Date: {date}", fontsize=11)
+    page.insert_text((56, 146), f"Bill to: {name}", fontsize=11)
+    for r in range(8):
+        for c, text in enumerate(["Widget", "2", "12.50", "25.00"]):
+            rect = pymupdf.Rect(56 + c * 120, 200 + r * 20, 176 + c * 120, 220 + r * 20)
+            page.draw_rect(rect, color=(0, 0, 0), width=0.5)
+            page.insert_text((rect.x0 + 4, rect.y1 - 6), text, fontsize=9)
+    page.insert_text((56, 400), f"Total due: {amount}", fontsize=12, fontname="hebo")
+    page.insert_text((56, 780), f"Page {page_no} of 3 - payment within 30 days", fontsize=8)
+    return doc.tobytes()
+
+
+class Page:
+    """A page as the dedupe sees it: the fitted image and its text layer (PDFs only)."""
+
+    def __init__(self, image: Image.Image, text: str | None):
+        self.image, self.text = image, text
+
+
+def render(pdf: bytes, dpi: int) -> Page:
+    with pymupdf.open(stream=pdf, filetype="pdf") as doc:
+        pix = doc[0].get_pixmap(dpi=dpi, colorspace=pymupdf.csRGB, alpha=False)
+        text = doc[0].get_text("text")
+    image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+    return Page(imaging.fit_to_budget(image, MIN, MAX), text)
+
+
+def jpeg(page: Page, quality: int) -> Page:
+    buf = io.BytesIO()
+    page.image.save(buf, "JPEG", quality=quality)
+    image = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    return Page(imaging.fit_to_budget(image, MIN, MAX), None)  # an image file: no text layer
+
+
+def scan_noise(page: Page, sigma: float, seed: int) -> Page:
+    image = page.image
+    noise = np.random.RandomState(seed).normal(0, sigma, (image.height, image.width, 1))
+    noisy = np.clip(np.asarray(image, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+    return Page(Image.fromarray(noisy).filter(ImageFilter.GaussianBlur(0.5)), None)
+
+
+def pairs(base_fields=("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 EUR")):
+    variants = [
+        ("number digit", ("INV-2026-00411", *base_fields[1:])),
+        ("date", (base_fields[0], "2026-11-20", *base_fields[2:])),
+        ("name", (*base_fields[:2], "Jane Smyth", base_fields[3])),
+        ("amount", (*base_fields[:3], "1,204.80 EUR")),
+    ]
+    base_pdf = invoice(*base_fields)
+    base = render(base_pdf, 150)
+    must = [(f"re-render {dpi} dpi", render(base_pdf, dpi)) for dpi in (100, 120, 200, 300)]
+    must += [(f"JPEG q{q}", jpeg(base, q)) for q in (70, 80, 90, 95)]
+    should = [(f"scan noise sigma {s}", scan_noise(base, s, i)) for i, s in enumerate((3, 6, 10))]
+    # an image of the page rasterised elsewhere (300 dpi, JPEG): no text layer to confirm it
+    should += [("JPEG of a 300-dpi raster vs the PDF", jpeg(render(base_pdf, 300), 85))]
+    never = [(f"one field changed: {what}", render(invoice(*fields), 150)) for what, fields in variants]
+    never += [(f"one field changed: {what}, JPEG q80", jpeg(render(invoice(*fields), 150), 80))
+              for what, fields in variants]
+    never += [(f"one field changed: {what}, rendered at {dpi} dpi", render(invoice(*fields), dpi))
+              for what, fields in variants for dpi in (100, 200)]
+    comma = (base_fields[0], base_fields[1], base_fields[2], base_fields[3].replace(".", ",", 1))
+    never += [("decimal point became a comma", render(invoice(*comma), 150)),
+              ("decimal point became a comma, JPEG q90", jpeg(render(invoice(*comma), 150), 90))]
+    never += [(f"another page of the document (page {n})", render(invoice(*base_fields, page_no=n), 150))
+              for n in (2, 3)]
+    cases = [("must", name, base, p) for name, p in must]
+    png300 = render(base_pdf, 300)
+    png300 = Page(png300.image, None)  # saved as a PNG file: no text layer
+    cases += [("must", "PNG vs JPEG q85 of the same 300-dpi raster", png300, jpeg(png300, 85))]
+    cases += [("should", name, base, p) for name, p in should]
+    cases += [("never", name, base, p) for name, p in never]
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    settings = Dedupe()
+    rows = []
+    for fields in DOCUMENTS:
+        for kind, name, base, page in pairs(fields):
+            distance = hamming(imaging.perceptual_hash(base.image), imaging.perceptual_hash(page.image))
+            peak, ratio = compare_pixels(base.image, page.image)
+            merged = (distance <= settings.max_phash_distance
+                      and same_page(base.image, page.image, base.text, page.text, settings))
+            rows.append({"document": fields[0], "kind": kind, "case": name,
+                         "phash_distance": distance, "peak": round(peak, 1),
+                         "peak_ratio": round(ratio, 2), "merged": merged})
+            print(f"{fields[0]} {kind:6} {name:52} phash {distance:3d}  peak {peak:5.1f}  "
+                  f"ratio {ratio:5.2f}  {'MERGED' if merged else 'kept apart'}")
+    must = [r for r in rows if r["kind"] == "must"]
+    should = [r for r in rows if r["kind"] == "should"]
+    never = [r for r in rows if r["kind"] == "never"]
+    summary = {"max_phash_distance": settings.max_phash_distance,
+               "max_block_diff": settings.max_block_diff,
+               "max_peak_ratio": settings.max_peak_ratio,
+               "worst_must_peak_ratio": max(r["peak_ratio"] for r in must),
+               "best_never_peak_ratio": min(r["peak_ratio"] for r in never),
+               "must_merge_recall": f"{sum(r['merged'] for r in must)}/{len(must)}",
+               "should_merge_recall": f"{sum(r['merged'] for r in should)}/{len(should)}",
+               "wrong_merges": f"{sum(r['merged'] for r in never)}/{len(never)}"}
+    print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "pairs": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

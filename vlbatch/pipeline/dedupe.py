@@ -1,0 +1,149 @@
+"""dedupe: which earlier page, if any, a page is a copy of.
+
+Exact copies (the same normalised pixels, so the same content hash) always merge. A
+perceptual hash finds near-copies (re-renders at another DPI, JPEG re-encodings, PNG vs
+JPEG), but it cannot tell them from pages of one template that differ in a single field:
+those hash alike too. So every near-copy is confirmed at pixel level before it merges: both
+pages are brought to one size, lightly blurred (resampling and JPEG noise is fine-grained
+and spread out), and compared block by block; a real change of content, however small
+(one digit), leaves at least one block that differs strongly. A wrong merge gives one
+document's answer to another, so the thresholds err on the side of not merging.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+PHASH_BITS = 256
+BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
+COMPARE_LONG_SIDE = 1344  # pixels: pages are compared at most this large
+BLOCK = 8  # pixels (at the comparison size)
+RANK = 20  # the peak is compared with the RANK-th largest block difference
+NOISE_FLOOR = 1.0  # a peak below this (0-255) is noise whatever the ratio
+
+
+def hamming(a: str, b: str) -> int:
+    return (int(a, 16) ^ int(b, 16)).bit_count()
+
+
+def bands(phash: str) -> list[str]:
+    width = len(phash) // BANDS
+    return [f"{i}:{phash[i * width:(i + 1) * width]}" for i in range(BANDS)]
+
+
+def _grey(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
+    grey = image.convert("L")
+    if grey.size != size:
+        grey = grey.resize(size, Image.Resampling.BOX)
+    return np.asarray(grey.filter(ImageFilter.GaussianBlur(1.0)), dtype=np.float32)
+
+
+def compare_pixels(a: Image.Image, b: Image.Image) -> tuple[float, float]:
+    """(peak, peak ratio) of the block differences of two pages brought to one size and
+    lightly blurred: peak is the largest block's mean absolute difference (0-255); peak
+    ratio is that over the RANK-th largest. Rendering and compression noise spreads over
+    every block with ink (ratio near 1-2); a change of content, however small, stands out
+    in a few blocks (ratio well above 4). Inf when the aspect ratios differ."""
+    ratio_a, ratio_b = a.width / a.height, b.width / b.height
+    if abs(ratio_a - ratio_b) / max(ratio_a, ratio_b) > 0.02:
+        return float("inf"), float("inf")
+    smaller = a if a.width * a.height <= b.width * b.height else b
+    scale = min(1.0, COMPARE_LONG_SIDE / max(smaller.size))
+    size = (max(4 * BLOCK, round(smaller.width * scale)), max(4 * BLOCK, round(smaller.height * scale)))
+    diff = np.abs(_grey(a, size) - _grey(b, size))
+    h, w = (size[1] // BLOCK) * BLOCK, (size[0] // BLOCK) * BLOCK
+    blocks = np.sort(diff[:h, :w].reshape(h // BLOCK, BLOCK, w // BLOCK, BLOCK)
+                     .mean(axis=(1, 3)).ravel())
+    peak = float(blocks[-1])
+    reference = float(blocks[-min(RANK, blocks.size)])
+    if peak < NOISE_FLOOR:  # identical but for noise: nothing stands out
+        return peak, 1.0
+    return peak, peak / max(reference, 1e-3)
+
+
+def _words(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | None,
+              settings) -> bool:
+    """The pixel check. Same raster (JPEG re-encodings, PNG vs JPEG, scan-like noise): the
+    difference is low everywhere. Different rasterisation (the same PDF page at another
+    DPI) differs at every glyph edge, as much as one changed digit does, so it merges only
+    when both pages carry the same text layer and nothing stands out locally."""
+    peak, ratio = compare_pixels(a, b)
+    if peak <= settings.max_block_diff and ratio <= settings.max_peak_ratio:
+        return True
+    same_text = bool(_words(text_a)) and _words(text_a) == _words(text_b)
+    return same_text and peak <= settings.rerender_max_block_diff and \
+        ratio <= settings.rerender_max_peak_ratio
+
+
+class Deduper:
+    """Maps each page to its canonical page: itself, an exact copy seen before, or a
+    confirmed near-copy. `load_image(content_hash)` fetches a canonical page's pixels (from
+    memory or the feature cache); `index` is a persistent band index (or None)."""
+
+    def __init__(self, settings, load_image: Callable[[str], tuple[Image.Image, str | None] | None],
+                 index=None, keep_in_memory: int = 64):
+        self.settings = settings  # the job's Dedupe section
+        self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
+        self.load_image, self.index = load_image, index
+        self.bands: dict[str, set[str]] = {}
+        self.phash_of: dict[str, str] = {}
+        self.recent: OrderedDict[str, tuple[Image.Image, str | None]] = OrderedDict()
+        self.keep = keep_in_memory
+        self.near_merged = 0
+        self.rejected = 0  # candidates the pixel check refused
+
+    def _page(self, content_hash: str) -> tuple[Image.Image, str | None] | None:
+        if content_hash in self.recent:
+            self.recent.move_to_end(content_hash)
+            return self.recent[content_hash]
+        return self.load_image(content_hash)
+
+    def _candidates(self, phash: str) -> set[str]:
+        found: set[str] = set()
+        for band in bands(phash):
+            found |= self.bands.get(band, set())
+            if self.index is not None:
+                found |= set(self.index.members(band))
+        return found
+
+    def canonical(self, content_hash: str, phash: str, image: Image.Image,
+                  text_layer: str | None = None) -> str:
+        if content_hash in self.phash_of:
+            return content_hash
+        if self.max_distance > 0:
+            close = []
+            for candidate in self._candidates(phash):
+                other = self.phash_of.get(candidate) or (self.index.phash(candidate) if self.index else None)
+                if other is not None and candidate != content_hash:
+                    distance = hamming(phash, other)
+                    if distance <= self.max_distance:
+                        close.append((distance, candidate))
+            for _, candidate in sorted(close):
+                other = self._page(candidate)
+                if other is None:
+                    continue
+                if same_page(image, other[0], text_layer, other[1], self.settings):
+                    self.near_merged += 1
+                    return candidate
+                self.rejected += 1
+        self._register(content_hash, phash, image, text_layer)
+        return content_hash
+
+    def _register(self, content_hash: str, phash: str, image: Image.Image,
+                  text_layer: str | None) -> None:
+        self.phash_of[content_hash] = phash
+        for band in bands(phash):
+            self.bands.setdefault(band, set()).add(content_hash)
+        if self.index is not None:
+            self.index.add(content_hash, phash)
+        self.recent[content_hash] = (image, text_layer)
+        while len(self.recent) > self.keep:
+            self.recent.popitem(last=False)
