@@ -118,6 +118,8 @@ class Job(_Strict):
     part_rows: int = Field(default=1000, ge=1)  # a results part is written every N rows...
     part_seconds: float = Field(default=30.0, gt=0)  # ...or every N seconds: the resume point
     result_cache: bool = True  # answers outlive the run in the cache folder
+    feature_cache: bool = True  # rendered pages too: a later run skips rendering
+    cache_size_gib: float = Field(default=20.0, gt=0)  # per cache (results, features); LRU eviction
     cache_namespace: str = Field(default="default", min_length=1)  # tenants never share answers
     base_dir: Path = Field(default=Path("."), exclude=True)  # the job file's folder
 

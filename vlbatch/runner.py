@@ -19,7 +19,8 @@ from vlbatch.engine.base import Completion, Engine, Request
 from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
 from vlbatch.job import Job, Task
 from vlbatch.pipeline import ingest
-from vlbatch.pipeline.cache import ResultCache, request_key
+from vlbatch.pipeline.cache import FeatureCache, ResultCache, request_key
+from vlbatch.pipeline.dedupe import Deduper
 from vlbatch.pipeline.discover import discover
 from vlbatch.pipeline.plan import PageUnit, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import CallTimedOut, WorkerDied, WorkerPool, default_workers
@@ -51,6 +52,8 @@ class RunStats:
     seconds: float = 0.0
     pages_per_s: float = 0.0
     cache_corrupt: int = 0
+    feature_cache_hits: int = 0  # pages not rendered: read from the feature cache
+    near_duplicates: int = 0  # pages merged with a confirmed near-copy
     error_reasons: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
@@ -176,16 +179,20 @@ class JobRun:
         return lambda unit, task: (unit.source.path, unit.page, task.name, unit.source.sha256,
                                    task.fingerprint()) in done
 
-    def _render_ahead(self, pool: WorkerPool, units: list[PageUnit]) -> queue.Queue:
+    def _render_ahead(self, pool: WorkerPool, units: list[PageUnit], use_features: bool) -> queue.Queue:
         """Render in planned order in the worker pool; a thread hands results over."""
         r = self.job.render
         rendered: queue.Queue = queue.Queue(maxsize=pool.lookahead)
+        cache_dir = str(self.job.cache) if use_features else None
+
+        def args(u: PageUnit) -> tuple:
+            key = FeatureCache.page_key(u.source.sha256, u.page, r.dpi, r.min_pixels, r.max_pixels)
+            return (u.source.abs_path, u.kind, u.page, r.dpi, r.min_pixels, r.max_pixels,
+                    r.pdf_password, cache_dir, key)
 
         def produce() -> None:
             try:
-                for item in pool.imap(ingest.render_page, units, lambda u: (
-                        u.source.abs_path, u.kind, u.page, r.dpi, r.min_pixels, r.max_pixels,
-                        r.pdf_password)):
+                for item in pool.imap(ingest.render_page, units, args):
                     rendered.put(item)
             except Exception as e:  # the pool itself failed: every page left gets an error
                 log.error("rendering stopped: %s", e)
@@ -229,12 +236,14 @@ class JobRun:
     def _requests_for(self, unit: PageUnit, page: ingest.RenderedPage,
                       cache: ResultCache | None) -> Iterator[Request]:
         hashes = (page.content_hash, page.phash)
-        image = None
+        self.stats.feature_cache_hits += page.from_cache
+        image = page.image()
+        canonical = self.deduper.canonical(page.content_hash, page.phash, image, page.text_layer)
+        self.stats.near_duplicates = self.deduper.near_merged
         for task in unit.tasks:
             text = task.render_prompt(text_layer=page.text_layer or "", source=unit.source.path,
                                       page=unit.page)
-            key = request_key(self.job.cache_namespace, page.content_hash, self.job.model, text,
-                              task)
+            key = request_key(self.job.cache_namespace, canonical, self.job.model, text, task)
             if key in self._by_key:  # the same page and prompt is in the engine now
                 self._by_key[key].waiters.append((unit, task, hashes))
                 self.stats.duplicates_merged += 1
@@ -253,7 +262,6 @@ class JobRun:
                 self._answered[key] = (origin or unit.ref, answer)
                 self._answer_row(unit, task, hashes, answer, origin if origin != unit.ref else None)
                 continue
-            image = image or page.image()
             request_id = f"{self.stats.run_id}-{len(self._pending) + self.stats.generated}"
             pending = _Pending(key, unit, task, hashes)
             self._pending[request_id] = self._by_key[key] = pending
@@ -327,7 +335,9 @@ class JobRun:
             if not sources:
                 raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
             stats.sources = len(sources)
-            cache = ResultCache(job.cache, job.cache_namespace) if job.result_cache else None
+            cache = ResultCache(job.cache, job.cache_size_gib) if job.result_cache else None
+            features = FeatureCache(job.cache, job.cache_size_gib) if job.feature_cache else None
+            self.deduper = Deduper(job.dedupe, index=features)
             self.results = PartWriter(output.results, stats.run_id, RESULT_SCHEMA,
                                       job.part_rows, job.part_seconds)
             self.pages = PartWriter(output.pages, stats.run_id, PAGE_SCHEMA,
@@ -357,7 +367,8 @@ class JobRun:
                             renderable, self.prompts.text_tokens, job.render.min_pixels,
                             job.render.max_pixels)
                         self.timings["plan_s"] = self._lap()
-                        feed = self._feed(renderable, self._render_ahead(pool, renderable), cache)
+                        rendered = self._render_ahead(pool, renderable, features is not None)
+                        feed = self._feed(renderable, rendered, cache)
                         self._generate(feed, cache)
                 status = "finished"
             finally:
@@ -366,9 +377,10 @@ class JobRun:
                 self.pages.flush()
                 if self.engine is not None:
                     self.engine.close()
-                if cache:
-                    stats.cache_corrupt = cache.corrupt
-                    cache.close()
+                for opened in (cache, features):
+                    if opened is not None:
+                        stats.cache_corrupt += opened.corrupt
+                        opened.close()
                 self.timings["finish_s"] = self._lap()
                 stats.seconds = round(time.monotonic() - started, 2)
                 stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0

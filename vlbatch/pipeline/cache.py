@@ -22,10 +22,9 @@ def request_key(namespace: str, content_hash: str, model: str, prompt: str, task
 
 
 class ResultCache:
-    def __init__(self, folder: Path, namespace: str = "default", size_limit_gib: float = 20.0):
+    def __init__(self, folder: Path, size_limit_gib: float = 20.0):
         import diskcache
 
-        self.namespace = namespace
         self.corrupt = 0
         try:
             Path(folder).mkdir(parents=True, exist_ok=True)
@@ -54,3 +53,125 @@ class ResultCache:
 
     def close(self) -> None:
         self._cache.close()
+
+
+class FeatureCache:
+    """Per page: hashes, size, text layer and the image as the model sees it (PNG), so a
+    later run skips rendering; plus the perceptual-hash band index the dedupe searches.
+    Opened in the main process and, read-write, in every render worker (diskcache is safe
+    across processes)."""
+
+    MAX_BAND_MEMBERS = 64
+
+    def __init__(self, folder: Path, size_limit_gib: float = 20.0):
+        import diskcache
+
+        self.corrupt = 0
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self._cache = diskcache.Cache(str(Path(folder) / "features"),
+                                          size_limit=int(size_limit_gib * 2**30),
+                                          eviction_policy="least-recently-used")
+        except Exception as e:
+            raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
+
+    @staticmethod
+    def page_key(source_sha256: str, page: int, dpi: int, min_pixels: int, max_pixels: int) -> str:
+        return f"page:{source_sha256}:{page}:{dpi}:{min_pixels}:{max_pixels}"
+
+    def _json(self, key: str):
+        raw = self._cache.get(key)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except (ValueError, TypeError, UnicodeDecodeError):
+            self.corrupt += 1
+            self._cache.delete(key)
+            return None
+
+    def get_page(self, key: str) -> tuple[dict, bytes] | None:
+        meta = self._json(key)
+        if not isinstance(meta, dict) or "content_hash" not in meta:
+            return None
+        png = self._cache.get("image:" + meta["content_hash"])
+        return (meta, png) if isinstance(png, bytes) else None
+
+    def put_page(self, key: str, meta: dict, png: bytes) -> None:
+        self._cache.set("image:" + meta["content_hash"], png)
+        self._cache.set(key, json.dumps(meta).encode())
+
+    def image(self, content_hash: str) -> tuple[object, str | None] | None:
+        """(PIL image, text layer) of a page seen before, for the dedupe's pixel check."""
+        import io
+
+        from PIL import Image
+
+        png = self._cache.get("image:" + content_hash)
+        text = self._json("text:" + content_hash)
+        if not isinstance(png, bytes):
+            return None
+        try:
+            image = Image.open(io.BytesIO(png))
+            image.load()
+        except Exception:
+            self.corrupt += 1
+            self._cache.delete("image:" + content_hash)
+            return None
+        return image.convert("RGB"), text if isinstance(text, str) else None
+
+    # the band index (dedupe.Deduper's `index`)
+    def members(self, band: str) -> list[str]:
+        found = self._json("band:" + band)
+        return found if isinstance(found, list) else []
+
+    def phash(self, content_hash: str) -> str | None:
+        found = self._json("phash:" + content_hash)
+        return found if isinstance(found, str) else None
+
+    def add(self, content_hash: str, phash: str, text_layer: str | None = None) -> None:
+        from vlbatch.pipeline.dedupe import bands
+
+        self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
+        self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
+        for band in bands(phash):
+            with self._cache.transact():
+                members = self.members(band)
+                if content_hash not in members:
+                    members = (members + [content_hash])[-self.MAX_BAND_MEMBERS:]
+                    self._cache.set("band:" + band, json.dumps(members).encode())
+
+    def close(self) -> None:
+        self._cache.close()
+
+
+def cache_stats(folder: Path) -> list[dict]:
+    """Entries and bytes per kind of entry, for `vlbatch cache stats`."""
+    import diskcache
+
+    rows = []
+    for name in ("results", "features"):
+        path = Path(folder) / name
+        if not path.exists():
+            rows.append({"cache": name, "entries": 0, "bytes": 0, "kinds": {}})
+            continue
+        with diskcache.Cache(str(path)) as cache:
+            kinds: dict[str, int] = {}
+            for key in cache.iterkeys():
+                kind = str(key).split(":", 1)[0]
+                kinds[kind] = kinds.get(kind, 0) + 1
+            rows.append({"cache": name, "entries": len(cache), "bytes": cache.volume(),
+                         "kinds": kinds})
+    return rows
+
+
+def clear_cache(folder: Path, which: str = "all") -> int:
+    import diskcache
+
+    removed = 0
+    for name in ("results", "features"):
+        path = Path(folder) / name
+        if which in ("all", name) and path.exists():
+            with diskcache.Cache(str(path)) as cache:
+                removed += cache.clear()
+    return removed

@@ -13,7 +13,6 @@ document's answer to another, so the thresholds err on the side of not merging.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 from PIL import Image, ImageFilter
@@ -85,14 +84,12 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
 
 class Deduper:
     """Maps each page to its canonical page: itself, an exact copy seen before, or a
-    confirmed near-copy. `load_image(content_hash)` fetches a canonical page's pixels (from
-    memory or the feature cache); `index` is a persistent band index (or None)."""
+    confirmed near-copy, in this run or (through the feature cache) in earlier ones."""
 
-    def __init__(self, settings, load_image: Callable[[str], tuple[Image.Image, str | None] | None],
-                 index=None, keep_in_memory: int = 64):
+    def __init__(self, settings, index=None, keep_in_memory: int = 64):
         self.settings = settings  # the job's Dedupe section
         self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
-        self.load_image, self.index = load_image, index
+        self.index = index  # a FeatureCache: pages of earlier runs (or None)
         self.bands: dict[str, set[str]] = {}
         self.phash_of: dict[str, str] = {}
         self.recent: OrderedDict[str, tuple[Image.Image, str | None]] = OrderedDict()
@@ -104,7 +101,7 @@ class Deduper:
         if content_hash in self.recent:
             self.recent.move_to_end(content_hash)
             return self.recent[content_hash]
-        return self.load_image(content_hash)
+        return self.index.image(content_hash) if self.index is not None else None
 
     def _candidates(self, phash: str) -> set[str]:
         found: set[str] = set()
@@ -143,7 +140,7 @@ class Deduper:
         for band in bands(phash):
             self.bands.setdefault(band, set()).add(content_hash)
         if self.index is not None:
-            self.index.add(content_hash, phash)
+            self.index.add(content_hash, phash, text_layer)
         self.recent[content_hash] = (image, text_layer)
         while len(self.recent) > self.keep:
             self.recent.popitem(last=False)

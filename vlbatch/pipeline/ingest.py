@@ -8,9 +8,11 @@ is returned as an error string, never raised, so one bad file never stops the ru
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from PIL import Image
 
@@ -42,6 +44,7 @@ class RenderedPage:
     text_layer: str | None
     content_hash: str
     phash: str
+    from_cache: bool = False  # read from the feature cache, not rendered
 
     def image(self) -> Image.Image:
         return Image.frombytes("RGB", (self.width, self.height), self.rgb)
@@ -124,8 +127,42 @@ def _finish(image: Image.Image, text: str | None, min_pixels: int, max_pixels: i
                         imaging.content_hash(image), imaging.perceptual_hash(image))
 
 
+_feature_caches: dict[str, object] = {}  # per worker process, opened once
+
+
 def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixels: int,
-                password: str | None) -> RenderedPage:
+                password: str | None, cache_dir: str | None = None,
+                cache_key: str | None = None) -> RenderedPage:
+    """The page as the model sees it: from the feature cache when an earlier run rendered
+    it with the same settings, else rendered (and then cached)."""
+    cache = None
+    if cache_dir and cache_key:
+        from vlbatch.pipeline.cache import FeatureCache
+
+        cache = _feature_caches.get(cache_dir) or _feature_caches.setdefault(
+            cache_dir, FeatureCache(Path(cache_dir)))
+        hit = cache.get_page(cache_key)
+        if hit is not None:
+            meta, png = hit
+            try:
+                with Image.open(io.BytesIO(png)) as image:
+                    rgb = image.convert("RGB")
+                return RenderedPage(rgb.width, rgb.height, rgb.tobytes(), meta.get("text_layer"),
+                                    meta["content_hash"], meta["phash"], from_cache=True)
+            except Exception:  # a damaged entry: render again, and overwrite it
+                cache.corrupt += 1
+    rendered = _render(path, kind, page, dpi, min_pixels, max_pixels, password)
+    if cache is not None:
+        buf = io.BytesIO()
+        rendered.image().save(buf, "PNG", compress_level=1)
+        cache.put_page(cache_key, {"content_hash": rendered.content_hash, "phash": rendered.phash,
+                                   "text_layer": rendered.text_layer, "width": rendered.width,
+                                   "height": rendered.height}, buf.getvalue())
+    return rendered
+
+
+def _render(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixels: int,
+            password: str | None) -> RenderedPage:
     """Render one page at the job's DPI, lowered when the page is larger than the pixel
     budget (never rendered big and then shrunk), then fitted to the exact model size."""
     if kind == "pdf":
