@@ -115,3 +115,21 @@ def test_pixel_check_on_the_benchmark_set():
             assert merged, name
         if kind == "never":
             assert not merged, name
+
+
+def test_cache_stats_and_clear_cli(write_job, tmp_path, samples):
+    import json
+
+    from typer.testing import CliRunner
+
+    from vlbatch.cli import app
+
+    job = write_job(job_fields("fake-model", [f"{samples}/chart.jpg"]))
+    run(job)
+    stats = json.loads(CliRunner().invoke(app, ["cache", "stats", str(job), "--json"]).output)
+    kinds = {row["cache"]: row["kinds"] for row in stats["caches"]}
+    assert kinds["results"] == {"result": 2} and kinds["features"]["image"] == 1
+    cleared = CliRunner().invoke(app, ["cache", "clear", str(job), "--only", "results"])
+    assert cleared.exit_code == 0 and "removed 2 entries" in cleared.output
+    _, engine = run(job, output=str(tmp_path / "fresh"))
+    assert len(engine.requests) == 2  # answers gone, so generated again

@@ -130,6 +130,71 @@ def inspect(
         out_console.print(errors)
 
 
+cache_app = typer.Typer(no_args_is_help=True, help="The cache folder of a job (results, rendered pages).")
+app.add_typer(cache_app, name="cache")
+
+
+def _cache_folder(job_file: Optional[Path], cache_dir: Optional[str]) -> Path:
+    from vlbatch.errors import JobFileError
+    from vlbatch.job import load_job
+
+    if cache_dir:
+        return Path(cache_dir).resolve()
+    if job_file:
+        return load_job(job_file).cache
+    raise JobFileError("name a job file or --cache-dir")
+
+
+@cache_app.command("stats")
+def cache_stats_command(
+    job_file: Optional[Path] = typer.Argument(None, help="A job file: its cache folder."),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="A cache folder."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Entries and size of the result and feature caches."""
+    from rich.table import Table
+
+    from vlbatch.pipeline.cache import cache_stats
+
+    try:
+        folder = _cache_folder(job_file, cache_dir)
+        rows = cache_stats(folder)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    if as_json:
+        print(json.dumps({"cache": str(folder), "caches": rows}, indent=2))
+        return
+    table = Table(title=f"cache {folder}", title_justify="left")
+    for column in ("cache", "entries", "MiB", "kinds"):
+        table.add_column(column, justify="right" if column in ("entries", "MiB") else "left")
+    for row in rows:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(row["kinds"].items()))
+        table.add_row(row["cache"], str(row["entries"]), f"{row['bytes'] / 2**20:.1f}", kinds)
+    out_console.print(table)
+
+
+@cache_app.command("clear")
+def cache_clear_command(
+    job_file: Optional[Path] = typer.Argument(None, help="A job file: its cache folder."),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="A cache folder."),
+    which: str = typer.Option("all", "--only", help="results, features or all."),
+) -> None:
+    """Remove cached answers and/or rendered pages (the next run recomputes them)."""
+    from vlbatch.errors import JobFileError
+    from vlbatch.pipeline.cache import clear_cache
+
+    try:
+        if which not in ("all", "results", "features"):
+            raise JobFileError(f"--only takes results, features or all, not {which!r}")
+        folder = _cache_folder(job_file, cache_dir)
+        removed = clear_cache(folder, which)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    out_console.print(f"removed {removed} entries from {folder} ({which})")
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(path: Path = typer.Argument(Path("models/tiny-qwen3-vl"),
                                                 help="Folder to write the model to.")) -> None:

@@ -66,10 +66,14 @@ def summary_table(s: RunStats) -> Table:
         ("pages already done", s.pages_already_done), ("pages processed", s.pages_finished),
         ("requests", s.requests_total), ("generated", s.generated),
         ("cache hits", s.cache_hits), ("duplicates merged", s.duplicates_merged),
+        ("near-duplicate pages", s.near_duplicates),
+        ("pages from feature cache", s.feature_cache_hits),
         ("rows ok", s.rows_ok), ("rows error", s.rows_error),
         ("pages with errors", s.pages_with_errors), ("output tokens", s.output_tokens),
         ("engine start (s)", "-" if s.engine_start_s is None else f"{s.engine_start_s:.1f}"),
         ("seconds", f"{s.seconds:.1f}"), ("pages/s", f"{s.pages_per_s:.2f}"),
+        ("pages/s while generating", "-" if not s.generation_s else
+         f"{s.pages_finished / s.generation_s:.2f}"),
     ]
     for name, value in rows:
         table.add_row(name, str(value))
