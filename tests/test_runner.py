@@ -158,3 +158,21 @@ def test_limit_counts_pages_in_input_order(samples, write_job):
 def test_no_inputs_is_exit_3(write_job):
     with pytest.raises(JobCannotRunError, match="no inputs matched"):
         run(write_job(job_fields("fake-model", ["nothing/*.pdf"])))
+
+
+def test_file_time_limit_keeps_finished_pages(write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "long.pdf", pages=30)
+    oddfiles.pdf(docs / "short.pdf", pages=1, text="other file")
+    fields = job_fields("fake-model", ["docs/*"])
+    fields["render"].update(workers=1, file_timeout_s=0.000001)
+    job = write_job(fields)
+    stats, _ = run(job)
+    df = results(job)
+    long = df.filter(pl.col("source") == "docs/long.pdf")
+    assert long.height == 60 and set(long["page"].to_list()) == set(range(1, 31))  # all accounted for
+    ok, timed_out = long.filter(pl.col("status") == "ok"), long.filter(pl.col("status") == "error")
+    assert ok.height >= 2 and timed_out.height >= 2
+    assert timed_out["error"].str.starts_with("timeout: the file used up its time limit").all()
+    assert (df.filter(pl.col("source") == "docs/short.pdf")["status"] == "ok").all()

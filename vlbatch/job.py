@@ -59,7 +59,8 @@ class Render(_Strict):
     min_pixels: int = Field(default=64 * 32 * 32, ge=32 * 32)
     max_pixels: int = Field(default=1280 * 32 * 32, ge=32 * 32)
     workers: int = Field(default=0, ge=0)  # 0: one per CPU core
-    page_timeout_s: float = Field(default=120.0, gt=0)
+    page_timeout_s: float = Field(default=120.0, gt=0)  # a page taking longer: error row
+    file_timeout_s: float = Field(default=900.0, gt=0)  # render time a file may use in all
     pdf_password: str | None = None
 
     @model_validator(mode="after")

@@ -190,9 +190,24 @@ class JobRun:
             return (u.source.abs_path, u.kind, u.page, r.dpi, r.min_pixels, r.max_pixels,
                     r.pdf_password, cache_dir, key)
 
+        spent: dict[str, float] = {}  # render seconds per file, against render.file_timeout_s
+        limit = r.file_timeout_s
+
+        def schedule() -> Iterator[PageUnit]:
+            for unit in units:
+                if spent.get(unit.source.path, 0.0) > limit:
+                    rendered.put((unit, CallTimedOut(
+                        f"timeout: the file used up its time limit ({limit:g} s)")))
+                else:
+                    yield unit
+
         def produce() -> None:
             try:
-                for item in pool.imap(ingest.render_page, units, args):
+                for item in pool.imap(ingest.render_page, schedule(), args):
+                    unit, page = item
+                    cost = (page.render_s if isinstance(page, ingest.RenderedPage)
+                            else r.page_timeout_s if isinstance(page, CallTimedOut) else 0.0)
+                    spent[unit.source.path] = spent.get(unit.source.path, 0.0) + cost
                     rendered.put(item)
             except Exception as e:  # the pool itself failed: every page left gets an error
                 log.error("rendering stopped: %s", e)

@@ -8,8 +8,10 @@ is returned as an error string, never raised, so one bad file never stops the ru
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,7 @@ class RenderedPage:
     content_hash: str
     phash: str
     from_cache: bool = False  # read from the feature cache, not rendered
+    render_s: float = 0.0  # worker time spent on this page
 
     def image(self) -> Image.Image:
         return Image.frombytes("RGB", (self.width, self.height), self.rgb)
@@ -151,7 +154,9 @@ def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_
                                     meta["content_hash"], meta["phash"], from_cache=True)
             except Exception:  # a damaged entry: render again, and overwrite it
                 cache.corrupt += 1
+    started = time.monotonic()
     rendered = _render(path, kind, page, dpi, min_pixels, max_pixels, password)
+    rendered = dataclasses.replace(rendered, render_s=time.monotonic() - started)
     if cache is not None:
         buf = io.BytesIO()
         rendered.image().save(buf, "PNG", compress_level=1)
