@@ -99,3 +99,13 @@ def animated_gif(path: Path) -> Path:
     frames = [Image.new("P", (120, 80), i) for i in range(3)]
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
     return path
+
+
+def degenerate_box_pdf(path: Path) -> Path:
+    """Page 1 has a sliver of a page box (595 x 0.2 points); page 2 is A4."""
+    path.write_bytes(b"%PDF-1.4\n1 0 obj<</Type/Catalog/Pages 2 0 R>>endobj\n"
+                     b"2 0 obj<</Type/Pages/Kids[3 0 R 4 0 R]/Count 2>>endobj\n"
+                     b"3 0 obj<</Type/Page/Parent 2 0 R/MediaBox[0 0 595 0.2]>>endobj\n"
+                     b"4 0 obj<</Type/Page/Parent 2 0 R/MediaBox[0 0 595 842]>>endobj\n"
+                     b"trailer<</Root 1 0 R>>\n%%EOF\n")
+    return path

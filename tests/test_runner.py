@@ -176,3 +176,15 @@ def test_file_time_limit_keeps_finished_pages(write_job, tmp_path):
     assert ok.height >= 2 and timed_out.height >= 2
     assert timed_out["error"].str.starts_with("timeout: the file used up its time limit").all()
     assert (df.filter(pl.col("source") == "docs/short.pdf")["status"] == "ok").all()
+
+
+def test_degenerate_page_box_is_an_error_row_other_pages_go_on(write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.degenerate_box_pdf(docs / "sliver.pdf")
+    job = write_job(job_fields("fake-model", ["docs/*"]))
+    run(job)
+    df = results(job).sort("page")
+    assert df["page"].to_list() == [1, 1, 2, 2]
+    assert df["status"].to_list() == ["error", "error", "ok", "ok"]
+    assert df["error"][0].startswith(("render failed: aspect ratio", "degenerate page box"))

@@ -88,6 +88,21 @@ def _open_image(path: str) -> Image.Image:
         raise ValueError(f"not a readable image or PDF: {e}") from None
 
 
+def _degenerate_box(doc, page) -> str | None:
+    """MuPDF silently replaces a page box of (nearly) zero size with US Letter; such a page
+    has no real content area, so it is reported rather than rendered as a blank page."""
+    kind, value = doc.xref_get_key(page.xref, "MediaBox")
+    if kind != "array":
+        return None
+    try:
+        x0, y0, x1, y1 = (float(v) for v in value.strip("[]").split())
+    except ValueError:
+        return f"unreadable page box {value}"
+    if abs(x1 - x0) < 1 or abs(y1 - y0) < 1:
+        return f"degenerate page box {value}"
+    return None
+
+
 def probe(path: str, dpi: int, password: str | None) -> Probe:
     """Page count and sizes, without rendering."""
     try:
@@ -101,7 +116,10 @@ def probe(path: str, dpi: int, password: str | None) -> Probe:
                     try:
                         rect = doc[i].rect  # rotation applied
                         w, h = rect.width * dpi / 72, rect.height * dpi / 72
-                        if not (w >= 1 and h >= 1) or not math.isfinite(w * h):
+                        degenerate = _degenerate_box(doc, doc[i])
+                        if degenerate:
+                            pages.append(PageSize(i + 1, 0, 0, degenerate))
+                        elif not (w >= 1 and h >= 1) or not math.isfinite(w * h):
                             pages.append(PageSize(i + 1, 0, 0, f"degenerate page box {rect}"))
                         else:
                             pages.append(PageSize(i + 1, round(w), round(h)))
@@ -162,7 +180,9 @@ def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_
         rendered.image().save(buf, "PNG", compress_level=1)
         cache.put_page(cache_key, {"content_hash": rendered.content_hash, "phash": rendered.phash,
                                    "text_layer": rendered.text_layer, "width": rendered.width,
-                                   "height": rendered.height}, buf.getvalue())
+                                   "height": rendered.height,
+                                   "image_tokens": (rendered.width // imaging.IMAGE_FACTOR)
+                                   * (rendered.height // imaging.IMAGE_FACTOR)}, buf.getvalue())
     return rendered
 
 
