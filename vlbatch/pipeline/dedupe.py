@@ -86,7 +86,7 @@ class Deduper:
     """Maps each page to its canonical page: itself, an exact copy seen before, or a
     confirmed near-copy, in this run or (through the feature cache) in earlier ones."""
 
-    def __init__(self, settings, index=None, keep_in_memory: int = 64):
+    def __init__(self, settings, index=None, keep_in_memory: int = 16):
         self.settings = settings  # the job's Dedupe section
         self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
         self.index = index  # a FeatureCache: pages of earlier runs (or None)
