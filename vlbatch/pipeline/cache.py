@@ -23,18 +23,22 @@ def request_key(namespace: str, content_hash: str, model: str, prompt: str, task
     return "result:" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 
+def _open_cache(folder: Path, name: str, size_limit_gib: float):
+    """A diskcache in folder/name, least recently used entries evicted past the limit."""
+    import diskcache
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return diskcache.Cache(str(Path(folder) / name), size_limit=int(size_limit_gib * 2**30),
+                               eviction_policy="least-recently-used")
+    except Exception as e:
+        raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
+
+
 class ResultCache:
     def __init__(self, folder: Path, size_limit_gib: float = 20.0):
-        import diskcache
-
         self.corrupt = 0
-        try:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            self._cache = diskcache.Cache(str(Path(folder) / "results"),
-                                          size_limit=int(size_limit_gib * 2**30),
-                                          eviction_policy="least-recently-used")
-        except Exception as e:
-            raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
+        self._cache = _open_cache(folder, "results", size_limit_gib)
 
     def get(self, key: str) -> dict | None:
         raw = self._cache.get(key)
@@ -66,18 +70,10 @@ class FeatureCache:
     MAX_BAND_MEMBERS = 64
 
     def __init__(self, folder: Path, size_limit_gib: float = 20.0):
-        import diskcache
-
         self.corrupt = 0
         self._pending: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
-        try:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            self._cache = diskcache.Cache(str(Path(folder) / "features"),
-                                          size_limit=int(size_limit_gib * 2**30),
-                                          eviction_policy="least-recently-used")
-        except Exception as e:
-            raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
+        self._cache = _open_cache(folder, "features", size_limit_gib)
 
     @staticmethod
     def page_key(source_sha256: str, page: int, dpi: int, min_pixels: int, max_pixels: int) -> str:
