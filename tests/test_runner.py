@@ -188,3 +188,24 @@ def test_degenerate_page_box_is_an_error_row_other_pages_go_on(write_job, tmp_pa
     assert df["page"].to_list() == [1, 1, 2, 2]
     assert df["status"].to_list() == ["error", "error", "ok", "ok"]
     assert df["error"][0].startswith(("render failed: aspect ratio", "degenerate page box"))
+
+
+def test_render_pool_failure_mid_run_accounts_for_every_page(samples, write_job, monkeypatch):
+    from vlbatch.pipeline import ingest
+    from vlbatch.pipeline.workers import WorkerPool
+
+    real_imap = WorkerPool.imap
+
+    def failing_imap(self, fn, items, args_of):
+        for i, result in enumerate(real_imap(self, fn, items, args_of)):
+            if fn is ingest.render_page and i == 2:
+                raise RuntimeError("pool broke")
+            yield result
+
+    monkeypatch.setattr(WorkerPool, "imap", failing_imap)
+    job = write_job(job_fields("fake-model", [f"{samples}/*"], result_cache=False))
+    run(job)
+    df = results(job)
+    assert df.height == 14 and not df.select("source", "page", "task").is_duplicated().any()
+    failed = df.filter(pl.col("status") == "error")
+    assert failed.height >= 8 and (failed["error"] == "render pool failed").all()

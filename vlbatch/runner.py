@@ -218,19 +218,21 @@ class JobRun:
 
     def _feed(self, units: list[PageUnit], rendered: queue.Queue,
               cache: ResultCache | None) -> Iterator[Request | None]:
-        seen = 0
-        while seen < len(units):
+        seen: set[int] = set()  # results may arrive out of plan order (file time limits)
+        while len(seen) < len(units):
             try:
                 item = rendered.get(timeout=0.05)
             except queue.Empty:
                 yield None
                 continue
             if item is None:  # the render thread died: account for the rest
-                for unit in units[seen:]:
-                    self._error_rows(unit, "render pool failed")
+                for unit in units:
+                    if unit.order not in seen:
+                        self._page_row(unit, None, "render pool failed")
+                        self._error_rows(unit, "render pool failed")
                 return
-            seen += 1
             unit, page = item
+            seen.add(unit.order)
             if isinstance(page, Exception):
                 self._page_row(unit, None, str(page))
                 stopped = isinstance(page, (CallTimedOut, WorkerDied))
