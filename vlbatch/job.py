@@ -102,6 +102,8 @@ class Engine(_Strict):
     # requests resident), bounded so host memory stays flat
     max_in_flight: int = Field(default=512, ge=1)
     cpu_kv_cache_gib: float = Field(default=2.0, gt=0)  # CPU build only
+    compile_mm_encoder: bool = False  # torch.compile the vision encoder too (vLLM option)
+    compile_cache_dir: Path | None = None  # vLLM's cache root (compiled graphs); None: ~/.cache/vllm
     trust_remote_code: bool = False
 
 
@@ -179,5 +181,8 @@ def load_job(path: str | Path, *, output: str | None = None, cache: str | None =
         "output": Path(output).resolve() if output else (base / job.output).resolve(),
         "cache": Path(cache).resolve() if cache else (base / job.cache).resolve(),
     }
+    if job.engine.compile_cache_dir is not None:
+        updates["engine"] = job.engine.model_copy(
+            update={"compile_cache_dir": (base / job.engine.compile_cache_dir).resolve()})
     return job.model_copy(update=updates)
 

@@ -38,6 +38,8 @@ def engine_kwargs(job: Job) -> dict:
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     enable_prefix_caching=e.enable_prefix_caching)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if e.compile_mm_encoder:
+        kwargs["compilation_config"] = {"compile_mm_encoder": True}
     return kwargs
 
 
@@ -49,6 +51,8 @@ class VllmEngine:
         self._params: dict[str, object] = {}
         started = time.monotonic()
         try:
+            if job.engine.compile_cache_dir is not None:  # read when vLLM is imported
+                os.environ["VLLM_CACHE_ROOT"] = str(job.engine.compile_cache_dir)
             from vllm import LLM
             from vllm.platforms import current_platform
 
