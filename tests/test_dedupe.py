@@ -133,3 +133,14 @@ def test_cache_stats_and_clear_cli(write_job, tmp_path, samples):
     assert cleared.exit_code == 0 and "removed 2 entries" in cleared.output
     _, engine = run(job, output=str(tmp_path / "fresh"))
     assert len(engine.requests) == 2  # answers gone, so generated again
+
+
+def test_namespaces_never_share_answers(write_job, tmp_path, samples):
+    fields = job_fields("fake-model", [f"{samples}/chart.jpg"], cache_namespace="tenant-a")
+    run(write_job(fields))
+    fields.update(cache_namespace="tenant-b", output="out-b")
+    stats, engine = run(write_job(fields))
+    assert len(engine.requests) == 2 and stats.cache_hits == 0
+    fields.update(cache_namespace="tenant-a", output="out-a2")
+    stats, engine = run(write_job(fields))
+    assert len(engine.requests) == 0 and stats.cache_hits == 2
