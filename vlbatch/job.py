@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -87,7 +86,6 @@ class Dedupe(_Strict):
 class Engine(_Strict):
     """vLLM engine settings (None: vLLM's own default)."""
 
-    kind: Literal["vllm", "fake"] = "vllm"  # fake: echoes, for trying a job without a model
     max_model_len: int | None = Field(default=None, ge=64)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     max_num_seqs: int | None = Field(default=None, ge=1)

@@ -38,13 +38,6 @@ def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int,
     return h_bar, w_bar
 
 
-def image_tokens(height: int, width: int, min_pixels: int, max_pixels: int,
-                 factor: int = IMAGE_FACTOR) -> int:
-    """Image tokens the model spends on a page of this size (after smart resize)."""
-    h, w = smart_resize(height, width, min_pixels, max_pixels, factor)
-    return (h // factor) * (w // factor)
-
-
 def to_rgb(image: Image.Image) -> Image.Image:
     """EXIF orientation applied; palette, grey, CMYK, 16-bit and alpha images become RGB
     (alpha composited over white)."""
