@@ -122,7 +122,10 @@ class JobRun:
         self.engine_version: str | None = None
         self._pending: dict[str, _Pending] = {}
         self._by_key: dict[str, _Pending] = {}
-        self._answered: dict[str, tuple[str, Completion]] = {}  # key -> (origin page, answer)
+        # answers given in this run, for later copies: in the result cache when there is one
+        # (host memory stays flat), else here
+        self._answered: set[str] = set()
+        self._answers: dict[str, tuple[str, Completion]] = {}  # key -> (origin page, answer)
         self._tasks_left: dict[int, int] = {}  # unit order -> rows still to write
         self._error_pages: set[int] = set()
 
@@ -265,18 +268,19 @@ class JobRun:
                 self._by_key[key].waiters.append((unit, task, hashes))
                 self.stats.duplicates_merged += 1
                 continue
-            if key in self._answered:  # answered earlier in this run
-                origin, answer = self._answered[key]
-                self.stats.duplicates_merged += 1
-                self._answer_row(unit, task, hashes, answer, origin)
-                continue
-            hit = cache.get(key) if cache else None
-            if hit is not None:
-                self.stats.cache_hits += 1
-                origin = hit.get("origin")
-                answer = Completion("", hit["output"], None, hit.get("prompt_tokens"),
-                                    hit.get("output_tokens"))
-                self._answered[key] = (origin or unit.ref, answer)
+            reuse = self._answers.get(key)
+            if reuse is None and cache is not None:
+                hit = cache.get(key)
+                if hit is not None:
+                    reuse = (hit.get("origin"), Completion("", hit["output"], None,
+                                                           hit.get("prompt_tokens"),
+                                                           hit.get("output_tokens")))
+            if reuse is not None:  # answered earlier in this run, or in an earlier run
+                origin, answer = reuse
+                if key in self._answered:
+                    self.stats.duplicates_merged += 1
+                else:
+                    self.stats.cache_hits += 1
                 self._answer_row(unit, task, hashes, answer, origin if origin != unit.ref else None)
                 continue
             request_id = f"{self.stats.run_id}-{len(self._pending) + self.stats.generated}"
@@ -299,11 +303,13 @@ class JobRun:
         self._row(unit, task, output=done.text, error=done.error, hashes=pending.hashes,
                   prompt_tokens=done.prompt_tokens, output_tokens=done.output_tokens)
         if done.error is None:
-            self._answered[pending.key] = (unit.ref, done)
+            self._answered.add(pending.key)
             if cache:
                 cache.put(pending.key, {"output": done.text, "origin": unit.ref,
                                         "prompt_tokens": done.prompt_tokens,
                                         "output_tokens": done.output_tokens})
+            else:
+                self._answers[pending.key] = (unit.ref, done)
         for w_unit, w_task, w_hashes in pending.waiters:
             self._answer_row(w_unit, w_task, w_hashes, done, unit.ref)
 
