@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -47,8 +48,13 @@ class Task(_Strict):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes this task's answers (prompt and sampling)."""
-        fields = self.model_dump(exclude={"name"})
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return _task_fingerprint(self)
+
+
+@lru_cache(maxsize=1024)  # asked for every row and every done-check; tasks are frozen
+def _task_fingerprint(task: Task) -> str:
+    fields = task.model_dump(exclude={"name"})
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Render(_Strict):
