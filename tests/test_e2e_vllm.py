@@ -74,7 +74,9 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     oddfiles.pdf(docs / "a.pdf", pages=3)
     oddfiles.random_bytes(docs / "b-broken.pdf")
     oddfiles.cmyk_jpeg(docs / "c.jpg")
-    job = write_job(job_fields(tiny_model, ["docs/*"], max_error_rate=0.5))
+    fields = job_fields(tiny_model, ["docs/*"])
+    fields["tasks"].append({"name": "too-long", "prompt": "word " * 3000})  # over max_model_len
+    job = write_job(fields)
     result = run_cli("run", str(job), "--limit", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
@@ -82,6 +84,9 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
         ("docs/a.pdf", 1), ("docs/a.pdf", 2), ("docs/a.pdf", 3), ("docs/b-broken.pdf", 0)]
     assert df.filter(pl.col("source") == "docs/b-broken.pdf")["status"].unique().to_list() == ["error"]
     assert df.filter(pl.col("status") == "ok").height == 6
+    rejected = df.filter(pl.col("task") == "too-long")
+    assert rejected.height == 4 and (rejected["status"] == "error").all()
+    assert rejected.filter(pl.col("page").is_not_null())["error"].str.starts_with("request rejected").all()
 
     with OutputFolder(tmp_path / "out").lock():  # another run holds the output
         locked = run_cli("run", str(job))
