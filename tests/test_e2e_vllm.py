@@ -125,3 +125,26 @@ def test_prompt_token_count_equals_vllm_count(tiny_model, write_job, tmp_path):
         engine.close()
     assert {rid: c.prompt_tokens for rid, c in done.items()} == expected
     assert all(c.error is None and c.output_tokens >= 1 for c in done.values())
+
+
+def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, write_job, tmp_path):
+    """A hub id whose snapshot is in the local Hugging Face cache runs with no network."""
+    import os
+    import shutil
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--acme--tiny-vl"
+    shutil.copytree(tiny_model, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    oddfiles.png(tmp_path / "page.png")
+    job = write_job(job_fields("acme/tiny-vl", ["page.png"]))
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "vlbatch", "run", str(job)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    assert (df["status"] == "ok").all() and (df["model"] == "acme/tiny-vl").all()

@@ -140,13 +140,27 @@ class Job(_Strict):
         return tasks
 
     def model_path(self) -> str:
-        """The model as vLLM takes it: a local folder (relative to the job file) or a hub id."""
+        """The model as vLLM takes it: a local folder (relative to the job file); else a hub
+        id's snapshot already in the local Hugging Face cache, so a nightly run on a server
+        without network starts at once instead of retrying the hub; else the hub id."""
         local = self.base_dir / self.model
-        return str(local.resolve()) if local.exists() else self.model
+        if local.exists():
+            return str(local.resolve())
+        return _cached_snapshot(self.model) or self.model
 
     def config_hash(self) -> str:
         dumped = self.model_dump(mode="json", exclude={"base_dir"})
         return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@lru_cache(maxsize=64)
+def _cached_snapshot(repo_id: str) -> str | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # not cached, not a valid id, or no huggingface_hub: use the id as is
+        return None
 
 
 def _describe(error: dict) -> str:
