@@ -1,8 +1,9 @@
-"""The result cache: answers that outlive a run, in the job's `cache:` folder (diskcache).
+"""The caches that outlive a run, in the job's `cache:` folder (diskcache): answers
+(ResultCache) and rendered pages with their dedupe index (FeatureCache).
 
-Keyed by the page's pixels (content hash), the model, the prompt as sent and the sampling
-settings, within a namespace. Values are JSON bytes, never pickle, so a cache folder can
-be shared; an entry that does not decode is dropped, counted and recomputed.
+Answers are keyed by the page's pixels (content hash), the model, the prompt as sent and the
+sampling settings, within a namespace. Values are bytes or JSON, never pickle, so a cache
+folder can be shared; an entry that does not decode is dropped, counted and recomputed.
 """
 
 from __future__ import annotations
@@ -35,24 +36,34 @@ def _open_cache(folder: Path, name: str, size_limit_gib: float):
         raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
 
 
-class ResultCache:
-    def __init__(self, folder: Path, size_limit_gib: float = 20.0):
-        self.corrupt = 0
-        self._cache = _open_cache(folder, "results", size_limit_gib)
+class _JsonEntries:
+    """JSON values in a diskcache; one that does not decode (or fails `valid`) is dropped
+    and counted, so the caller recomputes it."""
 
-    def get(self, key: str) -> dict | None:
+    corrupt = 0
+
+    def _json(self, key: str, valid=lambda value: True):
         raw = self._cache.get(key)
         if raw is None:
             return None
         try:
             value = json.loads(raw)
-            if not isinstance(value, dict) or not isinstance(value.get("output"), str):
-                raise ValueError("not a result entry")
-            return value
+            if valid(value):
+                return value  # JSON null included (a page without a text layer)
         except (ValueError, TypeError, UnicodeDecodeError):
-            self.corrupt += 1
-            self._cache.delete(key)
-            return None
+            pass
+        self.corrupt += 1
+        self._cache.delete(key)
+        return None
+
+
+class ResultCache(_JsonEntries):
+    def __init__(self, folder: Path, size_limit_gib: float = 20.0):
+        self.corrupt = 0
+        self._cache = _open_cache(folder, "results", size_limit_gib)
+
+    def get(self, key: str) -> dict | None:
+        return self._json(key, lambda v: isinstance(v, dict) and isinstance(v.get("output"), str))
 
     def put(self, key: str, value: dict) -> None:
         self._cache.set(key, json.dumps(value).encode())
@@ -61,7 +72,7 @@ class ResultCache:
         self._cache.close()
 
 
-class FeatureCache:
+class FeatureCache(_JsonEntries):
     """Per page: hashes, size, text layer and the image as the model sees it (PNG), so a
     later run skips rendering; plus the perceptual-hash band index the dedupe searches.
     Opened in the main process and, read-write, in every render worker (diskcache is safe
@@ -78,17 +89,6 @@ class FeatureCache:
     @staticmethod
     def page_key(source_sha256: str, page: int, dpi: int, min_pixels: int, max_pixels: int) -> str:
         return f"page:{source_sha256}:{page}:{dpi}:{min_pixels}:{max_pixels}"
-
-    def _json(self, key: str):
-        raw = self._cache.get(key)
-        if raw is None:
-            return None
-        try:
-            return json.loads(raw)
-        except (ValueError, TypeError, UnicodeDecodeError):
-            self.corrupt += 1
-            self._cache.delete(key)
-            return None
 
     def get_page(self, key: str) -> tuple[dict, bytes] | None:
         meta = self._json(key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -186,6 +187,22 @@ def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_
     return rendered
 
 
+_open_docs: dict[tuple, object] = {}  # per worker process: the PDFs it rendered last
+KEEP_OPEN = 2
+
+
+def _worker_pdf(path: str, password: str | None):
+    """The open document, reused across a worker's calls for pages of the same file (a
+    file's pages otherwise re-open and re-parse it once per page)."""
+    stat = os.stat(path)
+    key = (path, stat.st_mtime_ns, stat.st_size, password)
+    doc = _open_docs.pop(key, None) or _open_pdf(path, password)
+    _open_docs[key] = doc  # most recent last
+    while len(_open_docs) > KEEP_OPEN:
+        _open_docs.pop(next(iter(_open_docs))).close()
+    return doc
+
+
 def _render(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixels: int,
             password: str | None) -> RenderedPage:
     """Render one page at the job's DPI, lowered when the page is larger than the pixel
@@ -193,17 +210,16 @@ def _render(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixe
     if kind == "pdf":
         import pymupdf
 
-        with _open_pdf(path, password) as doc:
-            pdf_page = doc[page - 1]
-            rect = pdf_page.rect
-            zoom = dpi / 72
-            h, w = imaging.smart_resize(round(rect.height * zoom), round(rect.width * zoom),
-                                        min_pixels, max_pixels)
-            zoom = min(zoom, max(w / rect.width, h / rect.height))  # render no larger than needed
-            pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
-                                      colorspace=pymupdf.csRGB)
-            image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-            text = pdf_page.get_text("text")
+        pdf_page = _worker_pdf(path, password)[page - 1]
+        rect = pdf_page.rect
+        zoom = dpi / 72
+        h, w = imaging.smart_resize(round(rect.height * zoom), round(rect.width * zoom),
+                                    min_pixels, max_pixels)
+        zoom = min(zoom, max(w / rect.width, h / rect.height))  # render no larger than needed
+        pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
+                                  colorspace=pymupdf.csRGB)
+        image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+        text = pdf_page.get_text("text")
         return _finish(image, text, min_pixels, max_pixels)
     with _open_image(path) as image:
         if page > 1:

@@ -28,8 +28,11 @@ class WorkerDied(Exception):
 
 
 def default_workers(configured: int) -> int:
-    return configured or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count() or 1)
+    """The job's setting, or one worker per core this process may use."""
+    if configured:
+        return configured
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return max(1, len(cores))
 
 
 class WorkerPool:
