@@ -29,6 +29,13 @@ TASKS = [("markdown", "Convert this page to Markdown."),
          ("tables", "List every table on this page as CSV.")]
 
 
+def _setting(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, _, value = text.partition("=")
+    return key, yaml.safe_load(value)
+
+
 def write_job(args) -> None:
     import yaml
 
@@ -43,7 +50,8 @@ def write_job(args) -> None:
                    "temperature": 0.0} for n, p in TASKS[:args.tasks]],
         "render": {"dpi": 150, "max_pixels": 1280 * 32 * 32},
         "engine": {"load_format": "dummy", "max_model_len": 4096,
-                   **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {})},
+                   **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}),
+                   **dict(_setting(kv) for kv in args.engine)},
     }
     Path(args.work).mkdir(parents=True, exist_ok=True)
     (Path(args.work) / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
@@ -72,7 +80,11 @@ def run_raw(args) -> dict:
     render_s = time.monotonic() - started
     prompts = PromptBuilder(job.model_path())
     t0 = time.monotonic()
-    llm = LLM(**engine_kwargs(job))
+    # --vllm-defaults: what a user gets from LLM(model) (dummy weights aside); else the
+    # arguments vlbatch passes for this job
+    kwargs = ({"model": job.model_path(), "load_format": "dummy", "seed": 0}
+              if args.vllm_defaults else engine_kwargs(job))
+    llm = LLM(**kwargs)
     engine_start_s = time.monotonic() - t0
     requests, params = [], []
     for image in images:  # a page's tasks together, as vlbatch keeps them
@@ -86,7 +98,9 @@ def run_raw(args) -> dict:
     seconds = time.monotonic() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return {"mode": "raw", "pages": len(images), "requests": len(outputs),
+    return {"mode": "raw-vllm-defaults" if args.vllm_defaults else "raw", "pages": len(images),
+            "engine_kwargs": {k: str(v) for k, v in kwargs.items()},
+            "wall_s_excluding_render": round(engine_start_s + seconds, 1), "requests": len(outputs),
             "render_s": round(render_s, 1), "engine_start_s": round(engine_start_s, 1),
             "generate_s": round(seconds, 2), "pages_per_s": round(len(images) / seconds, 2),
             "requests_per_s": round(len(outputs) / seconds, 2),
@@ -99,9 +113,13 @@ def run_vlbatch(args) -> dict:
     from vlbatch.runner import JobRun
 
     job = load_job(args.job)
+    started = time.monotonic()
     stats = JobRun(job).execute()
+    wall_s = time.monotonic() - started
     run_s = stats.seconds - (stats.engine_start_s or 0)
     return {"mode": "vlbatch", "pages": stats.pages_finished, "requests": stats.generated,
+            "engine": job.engine.model_dump(mode="json"), "timings": stats.timings,
+            "wall_s": round(wall_s, 1), "pages_per_s_wall": round(stats.pages_finished / wall_s, 2),
             "rows_ok": stats.rows_ok, "rows_error": stats.rows_error,
             "engine_start_s": stats.engine_start_s, "total_s": stats.seconds,
             "run_s_excluding_engine_start": round(run_s, 2),
@@ -121,6 +139,10 @@ def main() -> None:
     parser.add_argument("--work")
     parser.add_argument("--tasks", type=int, default=1)
     parser.add_argument("--max-in-flight", type=int, default=0)
+    parser.add_argument("--engine", action="append", default=[],
+                        help="job: an engine setting KEY=VALUE (YAML value), repeatable")
+    parser.add_argument("--vllm-defaults", action="store_true",
+                        help="raw: LLM(model) with vLLM's defaults, not vlbatch's arguments")
     parser.add_argument("--job")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

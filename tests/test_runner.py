@@ -209,3 +209,24 @@ def test_render_pool_failure_mid_run_accounts_for_every_page(samples, write_job,
     assert df.height == 14 and not df.select("source", "page", "task").is_duplicated().any()
     failed = df.filter(pl.col("status") == "error")
     assert failed.height >= 8 and (failed["error"] == "render pool failed").all()
+
+
+def test_engine_starts_early_only_when_new_pages_need_it(samples, write_job, tmp_path):
+    """A first run starts the engine while planning and rendering (before any page is
+    rendered); a re-run into a new output folder served from the caches never starts it."""
+    job = write_job(job_fields("fake-model", [f"{samples}/*"]))
+    starts = []
+
+    def factory(job, prompts):
+        starts.append(job.name)
+        return FakeEngine()
+
+    def go(output):
+        return JobRun(load_job(job, output=str(tmp_path / output), cache=str(tmp_path / "cache")),
+                      engine_factory=factory, prompts_factory=fake_prompts).execute()
+
+    first = go("out1")
+    assert len(starts) == 1 and first.generated == 12
+    assert "to_first_request_s" not in first.timings  # started before the first request
+    again = go("out2")
+    assert len(starts) == 1 and again.generated == 0 and again.cache_hits == 14

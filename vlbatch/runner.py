@@ -313,6 +313,36 @@ class JobRun:
         for w_unit, w_task, w_hashes in pending.waiters:
             self._answer_row(w_unit, w_task, w_hashes, done, unit.ref)
 
+    def _start_engine(self, prompts) -> None:
+        started = time.monotonic()
+        self.engine = self.engine_factory(self.job, prompts)
+        self.stats.engine_start_s = round(time.monotonic() - started, 1)
+        self.engine_version = getattr(self.engine, "version", None)
+
+    def _worth_starting_early(self, units: list[PageUnit], features: FeatureCache | None) -> bool:
+        """Start the engine while planning and rendering run, unless every page may be
+        answered from the caches (an identical re-run into a new output folder never
+        starts it): some page was never rendered before, or there is no result cache."""
+        if not self.job.result_cache:
+            return True
+        if features is None:
+            return False
+        r = self.job.render
+        return any(not features.has_page(FeatureCache.page_key(
+            u.source.sha256, u.page, r.dpi, r.min_pixels, r.max_pixels)) for u in units)
+
+    def _plan(self, units: list[PageUnit], prompts: Future) -> list[PageUnit]:
+        self.prompts = prompts.result()
+        ordered = order_for_generation(units, self.prompts.text_tokens,
+                                       self.job.render.min_pixels, self.job.render.max_pixels)
+        self.timings["plan_s"] = self._lap()
+        return ordered
+
+    def _plan_and_render(self, pool: WorkerPool, units: list[PageUnit], prompts: Future,
+                         use_features: bool) -> tuple[list[PageUnit], queue.Queue]:
+        ordered = self._plan(units, prompts)
+        return ordered, self._render_ahead(pool, ordered, use_features)
+
     def _generate(self, feed: Iterator[Request | None], cache: ResultCache | None) -> None:
         first = None
         for item in feed:  # rows that need no engine are written as the feed runs
@@ -321,11 +351,9 @@ class JobRun:
                 break
         if first is None:
             return  # nothing to generate: the engine is never started
-        self.timings["to_first_request_s"] = self._lap()
-        started = time.monotonic()
-        self.engine = self.engine_factory(self.job, self.prompts)
-        self.stats.engine_start_s = round(time.monotonic() - started, 1)
-        self.engine_version = getattr(self.engine, "version", None)
+        if self.engine is None:  # not started early: start it now that there is work
+            self.timings["to_first_request_s"] = self._lap()
+            self._start_engine(self.prompts)
 
         def chained() -> Iterator[Request | None]:
             yield first
@@ -385,12 +413,13 @@ class JobRun:
                             self._error_rows(unit, unit.error)
                     renderable = [u for u in todo if not u.error]
                     if renderable:
-                        self.prompts = prompts.result()
-                        renderable = order_for_generation(
-                            renderable, self.prompts.text_tokens, job.render.min_pixels,
-                            job.render.max_pixels)
-                        self.timings["plan_s"] = self._lap()
-                        rendered = self._render_ahead(pool, renderable, features is not None)
+                        planned = _in_background(self._plan_and_render, pool, renderable,
+                                                 prompts, features is not None)
+                        if self._worth_starting_early(renderable, features):
+                            # the engine takes longest to start (a minute on a GPU): start
+                            # it now, while a thread plans and the workers render ahead
+                            self._start_engine(prompts)
+                        renderable, rendered = planned.result()
                         feed = self._feed(renderable, rendered, cache)
                         self._generate(feed, cache)
                 status = "finished"

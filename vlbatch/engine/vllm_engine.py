@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 from vlbatch.engine.base import Completion, Request
 from vlbatch.engine.prompts import PromptBuilder
@@ -47,7 +48,8 @@ class VllmEngine:
     def __init__(self, job: Job, prompts: PromptBuilder | None = None):
         self.job = job
         self.max_in_flight = job.engine.max_in_flight
-        self.prompts = prompts or PromptBuilder(job.model_path(), job.engine.trust_remote_code)
+        # the processor may still be loading (a Future) while the engine starts
+        self._prompts = prompts
         self._params: dict[str, object] = {}
         started = time.monotonic()
         try:
@@ -66,6 +68,14 @@ class VllmEngine:
             raise JobCannotRunError(f"engine failed to start ({type(e).__name__}): {reason}") from e
         self.start_seconds = time.monotonic() - started
         self.version = __import__("vllm").__version__
+
+    @property
+    def prompts(self) -> PromptBuilder:
+        if self._prompts is None:
+            self._prompts = PromptBuilder(self.job.model_path(), self.job.engine.trust_remote_code)
+        elif isinstance(self._prompts, Future):
+            self._prompts = self._prompts.result()
+        return self._prompts
 
     def sampling_params(self, task: Task):
         if task.name not in self._params:

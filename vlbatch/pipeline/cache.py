@@ -97,6 +97,9 @@ class FeatureCache(_JsonEntries):
         png = self._cache.get("image:" + meta["content_hash"])
         return (meta, png) if isinstance(png, bytes) else None
 
+    def has_page(self, key: str) -> bool:
+        return key in self._cache
+
     def put_page(self, key: str, meta: dict, png: bytes) -> None:
         self._cache.set("image:" + meta["content_hash"], png)
         self._cache.set(key, json.dumps(meta).encode())
