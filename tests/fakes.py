@@ -33,6 +33,23 @@ class FakeEngine:
         self.closed = True
 
 
+class DiesOnce(FakeEngine):
+    """Kills its whole actor process at its third request, the first time only."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.marker = marker
+
+    def generate(self, feed):
+        import os
+
+        for done in super().generate(feed):
+            if len(self.requests) == 3 and not self.marker.exists():
+                self.marker.write_text("died")
+                os._exit(1)
+            yield done
+
+
 class FakePrompts:
     @staticmethod
     def text_tokens(text: str) -> int:
@@ -41,3 +58,7 @@ class FakePrompts:
 
 def fake_prompts(job):
     return FakePrompts()
+
+
+def engine_that_cannot_start(job):
+    raise RuntimeError("CUDA out of memory while loading the model")

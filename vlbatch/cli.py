@@ -68,12 +68,12 @@ def run(
     _setup_logging(debug)
     from vlbatch.job import load_job
     from vlbatch.report import ProgressReporter, summary_table
-    from vlbatch.runner import JobRun
+    from vlbatch.runner import job_run_for
 
     try:
         job = load_job(job_file, output=output, cache=cache_dir)
         with ProgressReporter(err_console) as progress:
-            job_run = JobRun(job, limit=limit, retry_errors=retry_errors, progress=progress)
+            job_run = job_run_for(job, limit=limit, retry_errors=retry_errors, progress=progress)
             try:
                 stats = job_run.execute()
             finally:

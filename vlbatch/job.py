@@ -10,6 +10,7 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -113,6 +114,20 @@ class Engine(_Strict):
     trust_remote_code: bool = False
 
 
+class Ray(_Strict):
+    """Where and how `executor: ray` runs (see README, "Several GPUs or machines: Ray")."""
+
+    address: str | None = None  # None: a local Ray cluster on this machine; "auto": join the
+    # cluster this machine belongs to; "ray://head:10001": a remote cluster's client port
+    workers: int = Field(default=1, ge=1)  # vLLM actors, each loading the model once
+    gpus_per_worker: float | None = Field(default=None, ge=0)  # None: the engine's
+    # tensor_parallel_size when the cluster has GPUs, else 0 (the CPU build)
+    render_workers: int = Field(default=0, ge=0)  # render actors at most; 0: the cluster's CPUs
+    pages_per_batch: int = Field(default=16, ge=1)  # pages per Ray Data block
+    batches_per_worker: int = Field(default=4, ge=1)  # blocks a vLLM actor works on at once,
+    # so its engine is fed the next block's pages while the last ones finish
+
+
 class Job(_Strict):
     name: str = Field(min_length=1)
     inputs: list[str] = Field(min_length=1)
@@ -130,6 +145,8 @@ class Job(_Strict):
     feature_cache: bool = True  # rendered pages too: a later run skips rendering
     cache_size_gib: float = Field(default=20.0, gt=0)  # per cache (results, features); LRU eviction
     cache_namespace: str = Field(default="default", min_length=1)  # tenants never share answers
+    executor: Literal["local", "ray"] = "local"  # ray: render and generate on a Ray cluster
+    ray: Ray = Ray()
     base_dir: Path = Field(default=Path("."), exclude=True)  # the job file's folder
 
     @field_validator("tasks")

@@ -374,6 +374,17 @@ class JobRun:
             for request_id in list(self._pending):
                 self._complete(Completion(request_id, None, reason), cache)
 
+    def _render_and_generate(self, pool: WorkerPool, units: list[PageUnit], prompts: Future,
+                             features: FeatureCache | None, cache: ResultCache | None) -> None:
+        """This machine: render in worker processes, generate with one engine here."""
+        planned = _in_background(self._plan_and_render, pool, units, prompts, features is not None)
+        if self._worth_starting_early(units, features):
+            # the engine takes longest to start (a minute on a GPU): start it now, while a
+            # thread plans and the workers render ahead
+            self._start_engine(prompts)
+        units, rendered = planned.result()
+        self._generate(self._feed(units, rendered, cache), cache)
+
     # ----- the run -----
     def execute(self) -> RunStats:
         job, stats = self.job, self.stats
@@ -413,15 +424,7 @@ class JobRun:
                             self._error_rows(unit, unit.error)
                     renderable = [u for u in todo if not u.error]
                     if renderable:
-                        planned = _in_background(self._plan_and_render, pool, renderable,
-                                                 prompts, features is not None)
-                        if self._worth_starting_early(renderable, features):
-                            # the engine takes longest to start (a minute on a GPU): start
-                            # it now, while a thread plans and the workers render ahead
-                            self._start_engine(prompts)
-                        renderable, rendered = planned.result()
-                        feed = self._feed(renderable, rendered, cache)
-                        self._generate(feed, cache)
+                        self._render_and_generate(pool, renderable, prompts, features, cache)
                 status = "finished"
             finally:
                 self._lap()
@@ -458,5 +461,14 @@ class JobRun:
         }
 
 
+def job_run_for(job: Job, **kwargs) -> JobRun:
+    """The run for the job's executor: this machine, or a Ray cluster."""
+    if job.executor == "ray":
+        from vlbatch.executor.ray_run import RayJobRun
+
+        return RayJobRun(job, **kwargs)
+    return JobRun(job, **kwargs)
+
+
 def run_job(job: Job, **kwargs) -> RunStats:
-    return JobRun(job, **kwargs).execute()
+    return job_run_for(job, **kwargs).execute()

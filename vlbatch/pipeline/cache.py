@@ -80,8 +80,9 @@ class FeatureCache(_JsonEntries):
 
     MAX_BAND_MEMBERS = 64
 
-    def __init__(self, folder: Path, size_limit_gib: float = 20.0):
+    def __init__(self, folder: Path, size_limit_gib: float = 20.0, index_in_background: bool = True):
         self.corrupt = 0
+        self.index_in_background = index_in_background
         self._pending: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._cache = _open_cache(folder, "features", size_limit_gib)
@@ -136,6 +137,9 @@ class FeatureCache(_JsonEntries):
         """Index a canonical page, in a background thread: the caller is the thread that
         feeds the engine (measured on the H200: indexing inline cost 12% of W1 throughput).
         The dedupe keeps this run's pages in memory, so it never waits for these writes."""
+        if not self.index_in_background:
+            self._write_index(content_hash, phash, text_layer)
+            return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="vlbatch-index",
                                             daemon=True)
@@ -143,18 +147,20 @@ class FeatureCache(_JsonEntries):
         self._pending.put((content_hash, phash, text_layer))
 
     def _write_loop(self) -> None:
+        while (item := self._pending.get()) is not None:
+            self._write_index(*item)
+
+    def _write_index(self, content_hash: str, phash: str, text_layer: str | None) -> None:
         from vlbatch.pipeline.dedupe import bands
 
-        while (item := self._pending.get()) is not None:
-            content_hash, phash, text_layer = item
-            with self._cache.transact():
-                self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
-                self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
-                for band in bands(phash):
-                    members = self.members(band)
-                    if content_hash not in members:
-                        members = (members + [content_hash])[-self.MAX_BAND_MEMBERS:]
-                        self._cache.set("band:" + band, json.dumps(members).encode())
+        with self._cache.transact():
+            self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
+            self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
+            for band in bands(phash):
+                members = self.members(band)
+                if content_hash not in members:
+                    members = (members + [content_hash])[-self.MAX_BAND_MEMBERS:]
+                    self._cache.set("band:" + band, json.dumps(members).encode())
 
     def close(self) -> None:
         if self._writer is not None:

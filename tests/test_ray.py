@@ -1,0 +1,103 @@
+"""`executor: ray` on a local Ray cluster on CPU: the same job gives the same rows as a local
+run (real vLLM CPU build and the tiny model in one long-lived actor), and a vLLM actor that
+dies mid-run loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+from PIL import Image
+
+import fakes
+import oddfiles
+from conftest import job_fields, run_cli
+from vlbatch.job import load_job
+
+ray = pytest.importorskip("ray")
+
+SAME = ["source", "page", "task", "status", "error", "output", "content_hash", "phash",
+        "cached", "reused_from", "prompt_tokens", "output_tokens", "source_sha256", "task_hash"]
+
+
+def corpus(samples):
+    """The samples (an exact copy among them) plus a JPEG re-encoding of one page (a near
+    copy), a broken file and a PDF page box of zero size."""
+    with Image.open(samples / "receipt.png") as image:
+        image.convert("RGB").save(samples / "receipt-reencoded.jpg", quality=92)
+    oddfiles.truncated_pdf(samples / "broken.pdf")
+    oddfiles.degenerate_box_pdf(samples / "degenerate.pdf")
+    return samples
+
+
+def rows(output):
+    return pl.read_parquet(output / "results" / "*.parquet").select(SAME).sort("source", "page", "task")
+
+
+def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_path):
+    fields = job_fields(tiny_model, [f"{corpus(samples)}/*"])
+    fields["engine"]["max_num_seqs"] = 1  # one request at a time in both: batch-invariant
+    local_job = write_job({**fields, "output": "out-local", "cache": "cache-local"}, "local.yaml")
+    ray_job = write_job({**fields, "output": "out-ray", "cache": "cache-ray", "executor": "ray",
+                         "ray": {"workers": 1, "render_workers": 1, "pages_per_batch": 2}},
+                        "ray.yaml")
+    for job in (local_job, ray_job):
+        result = run_cli("run", str(job))
+        assert result.returncode == 0, result.stderr[-3000:]
+    local, on_ray = rows(tmp_path / "out-local"), rows(tmp_path / "out-ray")
+    assert local.height == on_ray.height >= 2 * 10  # every page and bad file, 2 tasks each
+    assert on_ray.select("source", "page", "task").unique().height == on_ray.height
+    assert local.equals(on_ray), pl.concat([local.join(on_ray, on=SAME, how="anti"),
+                                             on_ray.join(local, on=SAME, how="anti")])
+    # the dedupe decisions were made: an exact copy and a near copy reused, errors kept
+    reused = on_ray.filter(pl.col("reused_from").is_not_null())["source"].to_list()
+    assert any(s.endswith("receipt.png") for s in reused)
+    assert any(s.endswith("receipt-reencoded.jpg") for s in reused)
+    assert on_ray.filter(pl.col("status") == "error")["source"].str.ends_with(".pdf").all()
+    assert (on_ray.filter(pl.col("status") == "ok")["output"].str.len_chars() > 0).all()
+    # the same manifest: the same summary counts, and the engine that answered
+    summaries = [json.loads(next((tmp_path / o / "_runs").glob("*.json")).read_text())
+                 for o in ("out-local", "out-ray")]
+    for key in ("pages_total", "pages_finished", "generated", "cache_hits", "duplicates_merged",
+                "near_duplicates", "rows_ok", "rows_error", "prompt_tokens", "output_tokens"):
+        assert summaries[0]["summary"][key] == summaries[1]["summary"][key], key
+    assert summaries[1]["config"]["executor"] == "ray" and summaries[1]["versions"]["vllm"]
+    assert summaries[1]["status"] == "finished"
+
+    # a re-run on Ray is served by what is on disk: nothing generated, nothing written
+    result = run_cli("run", str(ray_job))
+    assert result.returncode == 0 and rows(tmp_path / "out-ray").height == on_ray.height
+
+
+@pytest.fixture
+def local_ray():
+    ray.cloudpickle.register_pickle_by_value(fakes)  # the fake engine travels to the actor
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_a_vllm_actor_dying_mid_run_loses_and_duplicates_nothing(local_ray, samples, write_job,
+                                                                  tmp_path):
+    from vlbatch.executor.ray_run import RayJobRun
+
+    job = write_job({**job_fields("fake-model", [f"{samples}/*"]), "executor": "ray",
+                     "ray": {"workers": 1, "pages_per_batch": 1, "batches_per_worker": 1}})
+    marker = tmp_path / "died"
+    stats = RayJobRun(load_job(job), prompts_factory=fakes.fake_prompts,
+                      actor_engine_factory=lambda job: fakes.DiesOnce(marker)).execute()
+    assert marker.exists()  # the actor did die, and was restarted
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    assert df.height == 14 and df.select("source", "page", "task").unique().height == 14
+    assert (df["status"] == "ok").all() and stats.rows_ok == 14 and stats.generated == 12
+
+
+def test_vllm_actor_that_cannot_start_is_exit_3(local_ray, samples, write_job):
+    from vlbatch.errors import JobCannotRunError
+    from vlbatch.executor.ray_run import RayJobRun
+
+    job = write_job({**job_fields("fake-model", [f"{samples}/*"]), "executor": "ray"})
+    with pytest.raises(JobCannotRunError, match="out of memory"):
+        RayJobRun(load_job(job), prompts_factory=fakes.fake_prompts,
+                  actor_engine_factory=fakes.engine_that_cannot_start).execute()

@@ -1,0 +1,176 @@
+"""`executor: ray`: the same run as a local one, with rendering and generation on a Ray
+cluster through Ray Data.
+
+This process (the driver) does what a local run does before and after: discover, probe,
+plan, and write every row (so the output folder, its lock, the manifest and resume work as
+they do locally, and no row is written twice). Between them runs one Ray Data pipeline over
+the planned pages, in plan order:
+
+    pages --map_batches(RenderPages, CPU actors)--> rendered and hashed pages
+          --map_batches(PlanPages, one actor)--> dedupe and result-cache decisions
+          --map_batches(GeneratePages, one actor per GPU group)--> answers --> the driver
+
+Order is preserved through the pipeline, so dedupe sees pages in the order a local run
+does and makes the same decisions, and a copy's origin always reaches the driver first.
+An actor that dies is restarted and its block retried by Ray Data; the driver writes a
+block's rows only when the block arrives whole, so nothing is lost or written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+from vlbatch.engine.base import Completion
+from vlbatch.errors import JobCannotRunError
+from vlbatch.executor.ray_stages import GeneratePages, PlanPages, RenderPages, job_to_dict
+from vlbatch.pipeline.cache import FeatureCache, ResultCache
+from vlbatch.pipeline.plan import PageUnit
+from vlbatch.pipeline.workers import WorkerPool
+from vlbatch.runner import JobRun, _Pending
+
+log = logging.getLogger("vlbatch")
+# every Ray process a run starts: NVLink multicast off (shared/device/README.md)
+WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+              "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def connect(address: str | None):
+    """Ray, started here (address None) or joined; the run's processes get WORKER_ENV."""
+    try:
+        import ray
+    except ImportError:
+        raise JobCannotRunError("executor: ray needs Ray: pip install 'vlbatch[ray]'") from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, runtime_env={"env_vars": WORKER_ENV},
+                     log_to_driver=False, include_dashboard=False)
+        except Exception as e:
+            raise JobCannotRunError(f"cannot reach the Ray cluster at {address or 'a new local one'}: {e}") from None
+    return ray
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost 'SomeError: message' line of a Ray error (which wraps the actor's or
+    task's own traceback), else its first line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    causes = re.findall(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$", text, re.M)
+    if causes:
+        name, message = causes[-1]
+        return f"{name}: {message.strip()}"
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+class RayJobRun(JobRun):
+    def __init__(self, job, *, actor_engine_factory=None, **kwargs):
+        super().__init__(job, **kwargs)
+        self.actor_engine_factory = actor_engine_factory  # tests: a fake engine in the actors
+        self._failed: dict[str, str] = {}  # keys whose generation failed in this run
+
+    def _render_and_generate(self, pool: WorkerPool, units: list[PageUnit], prompts: Future,
+                             features: FeatureCache | None, cache: ResultCache | None) -> None:
+        units = self._plan(units, prompts)
+        ray = connect(self.job.ray.address)
+        by_order = {u.order: u for u in units}
+        seen: set[int] = set()
+        started = time.monotonic()
+        try:
+            for batch in self._pipeline(ray, units).iter_batches(batch_size=None,
+                                                                 batch_format="pyarrow"):
+                for row in batch.to_pylist():
+                    seen.add(row["order"])
+                    self._page_done(by_order[row["order"]], row, cache)
+            self.stats.generation_s = round(time.monotonic() - started, 2)
+        except Exception as e:
+            reason = f"Ray pipeline failed: {root_cause(e)}"
+            if not seen:  # nothing came back: an actor could not start (no model, no GPU)
+                raise JobCannotRunError(reason) from e
+            log.error("%s", reason)  # mid-run: every page not back gets error rows
+            for unit in units:
+                if unit.order not in seen:
+                    self._page_row(unit, None, reason)
+                    self._error_rows(unit, reason)
+        self._lap()
+
+    def _pipeline(self, ray, units: list[PageUnit]):
+        from ray.data import ActorPoolStrategy, DataContext
+
+        job, settings = self.job, self.job.ray
+        context = DataContext.get_current()
+        context.execution_options.preserve_order = True  # dedupe decides in plan order
+        r = job.render
+        items = [{"order": u.order, "source": u.source.path, "page": u.page, "path": u.source.abs_path,
+                  "kind": u.kind, "tasks": json.dumps([t.name for t in u.tasks]),
+                  "page_key": FeatureCache.page_key(u.source.sha256, u.page, r.dpi, r.min_pixels,
+                                                    r.max_pixels)} for u in units]
+        per_batch = settings.pages_per_batch
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        gpus = settings.gpus_per_worker
+        if gpus is None:
+            gpus = job.engine.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
+        spec = job_to_dict(job)
+        ds = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / per_batch)))
+        ds = ds.map_batches(RenderPages, fn_constructor_kwargs={"job": spec}, batch_size=per_batch,
+                            batch_format="pyarrow", num_cpus=1, compute=ActorPoolStrategy(
+                                min_size=1, max_size=settings.render_workers or max(1, cpus - 1)))
+        ds = ds.map_batches(PlanPages, fn_constructor_kwargs={"job": spec}, batch_size=per_batch,
+                            batch_format="pyarrow", num_cpus=0, compute=ActorPoolStrategy(size=1))
+        return ds.map_batches(
+            GeneratePages, fn_constructor_kwargs={"job": spec,
+                                                  "engine_factory": self.actor_engine_factory},
+            batch_size=per_batch, batch_format="pyarrow", num_gpus=gpus, num_cpus=0 if gpus else 1,
+            max_concurrency=settings.batches_per_worker,
+            compute=ActorPoolStrategy(size=settings.workers,
+                                      max_tasks_in_flight_per_actor=settings.batches_per_worker))
+
+    def _page_done(self, unit: PageUnit, row: dict, cache: ResultCache | None) -> None:
+        """A page back from the pipeline: its page row and one row per task, with the
+        counts a local run keeps."""
+        if row["error"] is not None:
+            self._page_row(unit, None, row["error"])
+            self._error_rows(unit, row["row_error"] or row["error"])
+            return
+        page = SimpleNamespace(**{k: row[k] for k in ("width", "height", "text_layer",
+                                                        "content_hash", "phash")})
+        self._page_row(unit, page, None)
+        hashes = (row["content_hash"], row["phash"])
+        self.stats.feature_cache_hits += bool(row["from_cache"])
+        self.stats.near_duplicates += bool(row.get("near_merged"))
+        if row.get("engine_start_s") is not None:  # the slowest actor's start
+            self.engine_version = row.get("engine_version")
+            self.stats.engine_start_s = max(self.stats.engine_start_s or 0, row["engine_start_s"])
+        tasks = {t.name: t for t in unit.tasks}
+        for plan in json.loads(row["tasks"]):
+            task, key = tasks[plan["name"]], plan["key"]
+            if plan["action"] == "generate":
+                request_id = f"{self.stats.run_id}-{self.stats.generated}"
+                self._pending[request_id] = self._by_key[key] = _Pending(key, unit, task, hashes)
+                self._complete(Completion(request_id, plan.get("output"), plan.get("error"),
+                                          plan.get("prompt_tokens"), plan.get("output_tokens")), cache)
+                if plan.get("error") is not None:
+                    self._failed[key] = plan["error"]
+            elif plan["action"] == "cached":
+                self.stats.cache_hits += 1
+                answer = Completion("", plan["output"], None, plan.get("prompt_tokens"),
+                                    plan.get("output_tokens"))
+                origin = plan.get("origin")
+                self._answer_row(unit, task, hashes, answer, origin if origin != unit.ref else None)
+            else:  # a copy of a request sent earlier in this run: its answer is back already
+                self.stats.duplicates_merged += 1
+                self._answer_row(unit, task, hashes, self._answer_of(key, cache), plan["origin"])
+
+    def _answer_of(self, key: str, cache: ResultCache | None) -> Completion:
+        if key in self._failed:
+            return Completion("", None, self._failed[key])
+        if key in self._answers:
+            return self._answers[key][1]
+        hit = cache.get(key) if cache is not None else None
+        if hit is None:
+            return Completion("", None, "the answer of the page this copies was lost")
+        return Completion("", hit["output"], None, hit.get("prompt_tokens"), hit.get("output_tokens"))
