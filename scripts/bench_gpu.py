@@ -52,6 +52,7 @@ def write_job(args) -> None:
         "engine": {"load_format": "dummy", "max_model_len": 4096,
                    **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}),
                    **dict(_setting(kv) for kv in args.engine)},
+        **dict(_setting(kv) for kv in args.set),
     }
     Path(args.work).mkdir(parents=True, exist_ok=True)
     (Path(args.work) / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
@@ -110,14 +111,15 @@ def run_raw(args) -> dict:
 
 def run_vlbatch(args) -> dict:
     from vlbatch.job import load_job
-    from vlbatch.runner import JobRun
+    from vlbatch.runner import job_run_for
 
     job = load_job(args.job)
     started = time.monotonic()
-    stats = JobRun(job).execute()
+    stats = job_run_for(job).execute()
     wall_s = time.monotonic() - started
     run_s = stats.seconds - (stats.engine_start_s or 0)
-    return {"mode": "vlbatch", "pages": stats.pages_finished, "requests": stats.generated,
+    return {"mode": f"vlbatch-{job.executor}", "pages": stats.pages_finished,
+            "ray": job.ray.model_dump() if job.executor == "ray" else None, "requests": stats.generated,
             "engine": job.engine.model_dump(mode="json"), "timings": stats.timings,
             "wall_s": round(wall_s, 1), "pages_per_s_wall": round(stats.pages_finished / wall_s, 2),
             "rows_ok": stats.rows_ok, "rows_error": stats.rows_error,
@@ -141,6 +143,9 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=0)
     parser.add_argument("--engine", action="append", default=[],
                         help="job: an engine setting KEY=VALUE (YAML value), repeatable")
+    parser.add_argument("--set", action="append", default=[],
+                        help="job: a top-level job field KEY=VALUE (YAML value), e.g. "
+                             "executor=ray or 'ray={workers: 2}'")
     parser.add_argument("--vllm-defaults", action="store_true",
                         help="raw: LLM(model) with vLLM's defaults, not vlbatch's arguments")
     parser.add_argument("--job")

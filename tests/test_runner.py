@@ -230,3 +230,20 @@ def test_engine_starts_early_only_when_new_pages_need_it(samples, write_job, tmp
     assert "to_first_request_s" not in first.timings  # started before the first request
     again = go("out2")
     assert len(starts) == 1 and again.generated == 0 and again.cache_hits == 14
+
+
+def test_ray_is_optional(samples, write_job, monkeypatch):
+    """A local run never imports Ray; `executor: ray` without Ray installed is exit 3 with
+    the command that installs it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: import fails
+    stats, _ = run(write_job(job_fields("fake-model", [f"{samples}/*"])))
+    assert stats.rows_ok == 14
+    ray_job = write_job({**job_fields("fake-model", [f"{samples}/*"]), "output": "out-ray",
+                         "executor": "ray"}, "ray.yaml")
+    from vlbatch.runner import job_run_for
+
+    with pytest.raises(JobCannotRunError, match=r"pip install 'vlbatch\[ray\]'"):
+        job_run_for(load_job(ray_job), prompts_factory=fake_prompts).execute()
+    assert not list((ray_job.parent / "out-ray" / "results").glob("*.parquet"))  # nothing run

@@ -123,9 +123,10 @@ class Ray(_Strict):
     gpus_per_worker: float | None = Field(default=None, ge=0)  # None: the engine's
     # tensor_parallel_size when the cluster has GPUs, else 0 (the CPU build)
     render_workers: int = Field(default=0, ge=0)  # render actors at most; 0: the cluster's CPUs
-    pages_per_batch: int = Field(default=16, ge=1)  # pages per Ray Data block
-    batches_per_worker: int = Field(default=4, ge=1)  # blocks a vLLM actor works on at once,
-    # so its engine is fed the next block's pages while the last ones finish
+    pages_per_batch: int = Field(default=32, ge=1)  # pages per Ray Data block
+    batches_per_worker: int = Field(default=16, ge=1)  # blocks a vLLM actor works on at once,
+    # so its engine is fed the next blocks' pages while the last ones finish: 32 x 16 = 512
+    # pages in flight per engine, as engine.max_in_flight in a local run
 
 
 class Job(_Strict):

@@ -46,13 +46,17 @@ def connect(address: str | None):
         import ray
     except ImportError:
         raise JobCannotRunError("executor: ray needs Ray: pip install 'vlbatch[ray]'") from None
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, runtime_env={"env_vars": WORKER_ENV},
-                     log_to_driver=False, include_dashboard=False)
-        except Exception as e:
-            raise JobCannotRunError(f"cannot reach the Ray cluster at {address or 'a new local one'}: {e}") from None
-    return ray
+    if ray.is_initialized():
+        return ray, False
+    if not log.isEnabledFor(logging.DEBUG):  # Ray's own chatter only with --debug
+        logging.getLogger("ray").setLevel(logging.WARNING)
+    try:
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV},
+                 log_to_driver=log.isEnabledFor(logging.DEBUG), include_dashboard=False)
+    except Exception as e:
+        raise JobCannotRunError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
+                                f"{root_cause(e)}") from None
+    return ray, True
 
 
 def root_cause(error: BaseException) -> str:
@@ -76,7 +80,14 @@ class RayJobRun(JobRun):
     def _render_and_generate(self, pool: WorkerPool, units: list[PageUnit], prompts: Future,
                              features: FeatureCache | None, cache: ResultCache | None) -> None:
         units = self._plan(units, prompts)
-        ray = connect(self.job.ray.address)
+        ray, connected_here = connect(self.job.ray.address)
+        try:
+            self._stream(ray, units, cache)
+        finally:
+            if connected_here:
+                ray.shutdown()
+
+    def _stream(self, ray, units: list[PageUnit], cache: ResultCache | None) -> None:
         by_order = {u.order: u for u in units}
         seen: set[int] = set()
         started = time.monotonic()
@@ -104,6 +115,7 @@ class RayJobRun(JobRun):
         job, settings = self.job, self.job.ray
         context = DataContext.get_current()
         context.execution_options.preserve_order = True  # dedupe decides in plan order
+        context.enable_progress_bars = False  # vlbatch shows its own progress
         r = job.render
         items = [{"order": u.order, "source": u.source.path, "page": u.page, "path": u.source.abs_path,
                   "kind": u.kind, "tasks": json.dumps([t.name for t in u.tasks]),
