@@ -115,7 +115,16 @@ def run_vlbatch(args) -> dict:
 
     job = load_job(args.job)
     started = time.monotonic()
-    stats = job_run_for(job).execute()
+    last = [started]
+
+    def progress(stats) -> None:  # a line every 10 s: where a slow or stuck run is
+        if time.monotonic() - last[0] >= 10:
+            last[0] = time.monotonic()
+            print(f"progress {last[0] - started:.0f} s: {stats.pages_finished}/{stats.pages_todo} "
+                  f"pages, {stats.generated} generated, engine start {stats.engine_start_s}",
+                  flush=True)
+
+    stats = job_run_for(job, progress=progress).execute()
     wall_s = time.monotonic() - started
     run_s = stats.seconds - (stats.engine_start_s or 0)
     return {"mode": f"vlbatch-{job.executor}", "pages": stats.pages_finished,
@@ -150,7 +159,14 @@ def main() -> None:
                         help="raw: LLM(model) with vLLM's defaults, not vlbatch's arguments")
     parser.add_argument("--job")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--debug", action="store_true",
+                        help="vlbatch's debug log (with executor: ray, the actors' logs too)")
     args = parser.parse_args()
+    if args.debug:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("vlbatch").setLevel(logging.DEBUG)
     if args.mode == "job":
         write_job(args)
         return
