@@ -50,6 +50,26 @@ class DiesOnce(FakeEngine):
             yield done
 
 
+class AnswersPagesTogether(FakeEngine):
+    """Holds its requests until those of two pages are in it at once (or 10 s pass), then
+    answers them all with how many pages were in it together."""
+
+    def generate(self, feed):
+        import time
+
+        held, since = [], None
+        for request in feed:
+            if request is not None:
+                self.requests.append(request)
+                held.append(request)
+                since = since or time.monotonic()
+            pages = {r.request_id.split("-")[0] for r in held}
+            if held and (len(pages) >= 2 or time.monotonic() - since > 10):
+                for r in held:
+                    yield Completion(r.request_id, f"pages together: {len(pages)}", None, 10, 3)
+                held, since = [], None
+
+
 class FakePrompts:
     @staticmethod
     def text_tokens(text: str) -> int:

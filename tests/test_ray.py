@@ -101,3 +101,19 @@ def test_vllm_actor_that_cannot_start_is_exit_3(local_ray, samples, write_job):
     with pytest.raises(JobCannotRunError, match="out of memory"):
         RayJobRun(load_job(job), prompts_factory=fakes.fake_prompts,
                   actor_engine_factory=fakes.engine_that_cannot_start).execute()
+
+
+def test_a_vllm_actor_works_on_several_blocks_at_once(local_ray, samples, write_job, tmp_path):
+    """The engine gets the next block's requests while one block's are still in it: never
+    drained between blocks (here: an engine that answers only once two pages are in it)."""
+    from vlbatch.executor.ray_run import RayJobRun
+
+    job = write_job({**job_fields("fake-model", [f"{samples}/*"]), "executor": "ray",
+                     "ray": {"workers": 1, "pages_per_batch": 1, "batches_per_worker": 2}})
+    RayJobRun(load_job(job), prompts_factory=fakes.fake_prompts,
+              actor_engine_factory=lambda job: fakes.AnswersPagesTogether()).execute()
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    generated = df.filter(~pl.col("cached"))
+    assert generated.height == 12
+    together = generated["output"].value_counts().sort("output")
+    assert generated.filter(pl.col("output") == "pages together: 2").height >= 10, together

@@ -137,9 +137,13 @@ class RayJobRun(JobRun):
             GeneratePages, fn_constructor_kwargs={"job": spec,
                                                   "engine_factory": self.actor_engine_factory},
             batch_size=per_batch, batch_format="pyarrow", num_gpus=gpus, num_cpus=0 if gpus else 1,
-            max_concurrency=settings.batches_per_worker,
+            # several blocks in each actor at once, their calls truly concurrent (Ray Data
+            # runs one call at a time by default): the engine is fed the next blocks while
+            # the last requests of one finish
             compute=ActorPoolStrategy(size=settings.workers,
-                                      max_tasks_in_flight_per_actor=settings.batches_per_worker))
+                                      max_tasks_in_flight_per_actor=settings.batches_per_worker,
+                                      max_concurrent_calls_per_actor=settings.batches_per_worker,
+                                      enable_true_multi_threading=True))
 
     def _page_done(self, unit: PageUnit, row: dict, cache: ResultCache | None) -> None:
         """A page back from the pipeline: its page row and one row per task, with the
