@@ -117,3 +117,18 @@ def test_a_vllm_actor_works_on_several_blocks_at_once(local_ray, samples, write_
     assert generated.height == 12
     together = generated["output"].value_counts().sort("output")
     assert generated.filter(pl.col("output") == "pages together: 2").height >= 10, together
+
+
+def test_engine_failing_mid_run_gives_error_rows_and_the_run_goes_on(local_ray, samples,
+                                                                     write_job, tmp_path):
+    from vlbatch.executor.ray_run import RayJobRun
+
+    job = write_job({**job_fields("fake-model", [f"{samples}/*"]), "executor": "ray",
+                     "ray": {"workers": 1, "pages_per_batch": 1, "batches_per_worker": 1}})
+    stats = RayJobRun(load_job(job), prompts_factory=fakes.fake_prompts,
+                      actor_engine_factory=lambda job: fakes.FakeEngine(fail_after=4)).execute()
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    assert df.height == 14 and df.select("source", "page", "task").unique().height == 14
+    failed = df.filter(pl.col("status") == "error")
+    assert stats.rows_error == failed.height > 0 and stats.rows_ok == 14 - failed.height >= 4
+    assert failed["error"].str.starts_with("engine failed: engine core died").all()
