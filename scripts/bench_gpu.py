@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+PROCESS_START = time.monotonic()  # whole-process times count from here (imports included)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TASKS = [("markdown", "Convert this page to Markdown."),
@@ -171,6 +172,7 @@ def main() -> None:
         write_job(args)
         return
     result = run_raw(args) if args.mode == "raw" else run_vlbatch(args)
+    result["process_s"] = round(time.monotonic() - PROCESS_START, 1)
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     print(json.dumps(result), flush=True)
     if args.json:
