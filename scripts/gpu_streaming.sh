@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Issue 6's proof in one device call on the lent H200 (after install-vllm.sh), each run its
-# own process with a fresh engine, in this order: raw vLLM with its defaults (it pays the
-# cold compile), raw vLLM with vlbatch's arguments, vlbatch W1 end to end, vlbatch W3; then
-# the ratios (scripts/bench_ratios.py). Results as JSON under $OUT. About 9 minutes.
-#   bash scripts/gpu_streaming.sh [PAGES]        needs .gpu/models/ (a copy of shared/models/)
+# Issue 6's proof on the lent H200 (after install-vllm.sh), each run its own process with a
+# fresh engine. One device call (about 8 minutes): raw vLLM with its defaults (it pays the
+# cold compile), raw vLLM with vlbatch's arguments, vlbatch W1 end to end, then the ratios
+# (scripts/bench_ratios.py). A second call on the same warm machine adds W3.
+# Results as JSON under $OUT.        needs .gpu/models/ (a copy of shared/models/)
+#   bash scripts/gpu_streaming.sh [PAGES]
+#   bash scripts/gpu_streaming.sh w3
 set -uo pipefail
+STAGE=w1; [ "${1:-}" = w3 ] && { STAGE=w3; shift; }
 PAGES=${1:-400}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
@@ -17,16 +20,18 @@ step() {  # step NAME SECONDS COMMAND...: one bounded run, its last line shown
   timeout "$limit" "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $((SECONDS - t0)) s"; tail -1 "$OUT/$name.log" | cut -c1-400
 }
-python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" >/dev/null
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-python3 scripts/make_pages.py /tmp/w1-pages "$PAGES" 10 > /dev/null
-for tasks in 1 4; do
-  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work /tmp/w$tasks --tasks $tasks > /dev/null
-done
-step raw-vllm-defaults 210 $B raw --job /tmp/w1/job.yaml --vllm-defaults
-step raw-vlbatch-args 120 $B raw --job /tmp/w1/job.yaml
-step vlbatch-w1 120 $B vlbatch --job /tmp/w1/job.yaml
-step vlbatch-w3 140 $B vlbatch --job /tmp/w4/job.yaml
+if [ $STAGE = w1 ]; then
+  python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" >/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
+  python3 scripts/make_pages.py /tmp/w1-pages "$PAGES" 10 > /dev/null
+  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work /tmp/w1 --tasks 1 > /dev/null
+  step raw-vllm-defaults 210 $B raw --job /tmp/w1/job.yaml --vllm-defaults
+  step raw-vlbatch-args 130 $B raw --job /tmp/w1/job.yaml
+  step vlbatch-w1 150 $B vlbatch --job /tmp/w1/job.yaml
+else
+  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work /tmp/w4 --tasks 4 > /dev/null
+  step vlbatch-w3 200 $B vlbatch --job /tmp/w4/job.yaml
+fi
 python3 scripts/bench_ratios.py "$OUT" | tee "$OUT/ratios.txt"
 echo "elapsed $SECONDS s"
