@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 6's proof on the lent H200 (after install-vllm.sh), each run its own process with a
-# fresh engine. One device call (about 8 minutes): raw vLLM with its defaults (it pays the
-# cold compile), raw vLLM with vlbatch's arguments, vlbatch W1 end to end, then the ratios
-# (scripts/bench_ratios.py). A second call on the same warm machine adds W3.
+# fresh engine. One device call (about 9 minutes): vlbatch W1 end to end (it pays the cold
+# compile), raw vLLM with vlbatch's arguments, raw vLLM with its defaults, then the ratios
+# (scripts/bench_ratios.py; whole-process ratios are fair only between warm runs). A second call on the same warm machine adds W3.
 # Results as JSON under $OUT.        needs .gpu/models/ (a copy of shared/models/)
 #   bash scripts/gpu_streaming.sh [PAGES]
 #   bash scripts/gpu_streaming.sh w3
@@ -26,9 +26,10 @@ if [ $STAGE = w1 ]; then
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
   python3 scripts/make_pages.py /tmp/w1-pages "$PAGES" 10 > /dev/null
   $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work /tmp/w1 --tasks 1 > /dev/null
-  step raw-vllm-defaults 210 $B raw --job /tmp/w1/job.yaml --vllm-defaults
-  step raw-vlbatch-args 130 $B raw --job /tmp/w1/job.yaml
-  step vlbatch-w1 150 $B vlbatch --job /tmp/w1/job.yaml
+  # the first run pays the cold compile; raw with vLLM's defaults compiles its own shapes
+  step vlbatch-w1 220 $B vlbatch --job /tmp/w1/job.yaml
+  step raw-vlbatch-args 120 $B raw --job /tmp/w1/job.yaml
+  step raw-vllm-defaults 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults
 else
   $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work /tmp/w4 --tasks 4 > /dev/null
   step vlbatch-w3 200 $B vlbatch --job /tmp/w4/job.yaml
