@@ -103,10 +103,12 @@ class RayJobRun(JobRun):
             if not seen:  # nothing came back: an actor could not start (no model, no GPU)
                 raise JobCannotRunError(reason) from e
             log.error("%s", reason)  # mid-run: every page not back gets error rows
-            for unit in units:
-                if unit.order not in seen:
-                    self._page_row(unit, None, reason)
-                    self._error_rows(unit, reason)
+        else:
+            reason = "lost in the Ray pipeline"  # never expected: accounted for all the same
+        for unit in units:
+            if unit.order not in seen:
+                self._page_row(unit, None, reason)
+                self._error_rows(unit, reason)
         self._lap()
 
     def _pipeline(self, ray, units: list[PageUnit]):
