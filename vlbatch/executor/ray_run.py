@@ -48,14 +48,20 @@ def connect(address: str | None):
         raise JobCannotRunError("executor: ray needs Ray: pip install 'vlbatch[ray]'") from None
     if ray.is_initialized():
         return ray, False
-    if not log.isEnabledFor(logging.DEBUG):  # Ray's own chatter only with --debug
-        logging.getLogger("ray").setLevel(logging.WARNING)
+    debug = log.isEnabledFor(logging.DEBUG)
     try:
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV},
-                 log_to_driver=log.isEnabledFor(logging.DEBUG), include_dashboard=False)
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=debug,
+                 include_dashboard=False, logging_level=logging.DEBUG if debug else logging.WARNING)
     except Exception as e:
         raise JobCannotRunError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
                                 f"{root_cause(e)}") from None
+    if not debug:  # Ray's console chatter only with --debug: vlbatch reports progress itself
+        import ray.data  # noqa: F401 - sets up Ray Data's loggers, whose console we quieten
+
+        logging.getLogger("ray").setLevel(logging.ERROR)
+        for handler in logging.getLogger("ray.data").handlers:
+            if not isinstance(handler, logging.FileHandler):  # its log file stays complete
+                handler.setLevel(logging.ERROR)
     return ray, True
 
 
@@ -118,6 +124,7 @@ class RayJobRun(JobRun):
         context = DataContext.get_current()
         context.execution_options.preserve_order = True  # dedupe decides in plan order
         context.enable_progress_bars = False  # vlbatch shows its own progress
+        context.print_on_execution_start = log.isEnabledFor(logging.DEBUG)
         r = job.render
         items = [{"order": u.order, "source": u.source.path, "page": u.page, "path": u.source.abs_path,
                   "kind": u.kind, "tasks": json.dumps([t.name for t in u.tasks]),
