@@ -132,3 +132,24 @@ def test_engine_failing_mid_run_gives_error_rows_and_the_run_goes_on(local_ray, 
     failed = df.filter(pl.col("status") == "error")
     assert stats.rows_error == failed.height > 0 and stats.rows_ok == 14 - failed.height >= 4
     assert failed["error"].str.starts_with("engine failed: engine core died").all()
+
+
+def test_file_time_limit_under_ray_keeps_finished_pages(local_ray, write_job, tmp_path):
+    from vlbatch.executor.ray_run import RayJobRun
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "long.pdf", pages=12)
+    oddfiles.pdf(docs / "short.pdf", pages=1, text="other file")
+    fields = job_fields("fake-model", ["docs/*"], executor="ray",
+                        ray={"workers": 1, "render_workers": 1, "pages_per_batch": 4})
+    fields["render"].update(file_timeout_s=0.000001)
+    RayJobRun(load_job(write_job(fields)), prompts_factory=fakes.fake_prompts,
+              actor_engine_factory=lambda job: fakes.FakeEngine()).execute()
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    long = df.filter(pl.col("source") == "docs/long.pdf")
+    assert long.height == 24 and set(long["page"].to_list()) == set(range(1, 13))
+    ok, timed_out = long.filter(pl.col("status") == "ok"), long.filter(pl.col("status") == "error")
+    assert ok.height >= 2 and timed_out.height >= 2
+    assert timed_out["error"].str.starts_with("timeout: the file used up its time limit").all()
+    assert (df.filter(pl.col("source") == "docs/short.pdf")["status"] == "ok").all()

@@ -44,13 +44,15 @@ def _table(rows: list[dict], extra: dict | None = None) -> pa.Table:
 class RenderPages:
     """Renders and hashes pages (through the feature cache, as a local run does) in one
     worker process of its own, so a page that hangs or crashes a native library becomes
-    an error row, never a lost block."""
+    an error row, never a lost block. A file's render time limit (render.file_timeout_s)
+    counts the time this actor spent on the file."""
 
     def __init__(self, job: dict):
         from vlbatch.pipeline.workers import WorkerPool
 
         self.job = Job.model_validate(job)
         self.pool = WorkerPool(1, self.job.render.page_timeout_s, lookahead=2)
+        self.spent: dict[str, float] = {}  # render seconds per file
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from vlbatch.pipeline import ingest
@@ -61,7 +63,19 @@ class RenderPages:
         rows = batch.to_pylist()
         args = lambda row: (row["path"], row["kind"], row["page"], r.dpi, r.min_pixels,  # noqa: E731
                             r.max_pixels, r.pdf_password, cache_dir, row["page_key"])
-        for row, page in self.pool.imap(ingest.render_page, rows, args):
+
+        def within_time_limit():
+            for row in rows:
+                if self.spent.get(row["path"], 0.0) > r.file_timeout_s:
+                    reason = f"timeout: the file used up its time limit ({r.file_timeout_s:g} s)"
+                    row.update(error=reason, row_error=reason)
+                else:
+                    yield row
+
+        for row, page in self.pool.imap(ingest.render_page, within_time_limit(), args):
+            cost = (page.render_s if isinstance(page, ingest.RenderedPage)
+                    else r.page_timeout_s if isinstance(page, CallTimedOut) else 0.0)
+            self.spent[row["path"]] = self.spent.get(row["path"], 0.0) + cost
             if isinstance(page, Exception):
                 stopped = isinstance(page, (CallTimedOut, WorkerDied))
                 row.update(error=str(page), row_error=str(page) if stopped else f"render failed: {page}")
