@@ -19,11 +19,11 @@ from vlbatch.engine.base import Completion, Engine, Request
 from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
 from vlbatch.job import Job, Task
 from vlbatch.pipeline import ingest
-from vlbatch.pipeline.cache import FeatureCache, ResultCache, request_key
+from vlbatch.pipeline.cache import FeatureCache, ResultCache, prompt_and_key
 from vlbatch.pipeline.dedupe import Deduper
 from vlbatch.pipeline.discover import discover
 from vlbatch.pipeline.plan import PageUnit, order_for_generation, page_units, select_todo
-from vlbatch.pipeline.workers import CallTimedOut, WorkerDied, WorkerPool, default_workers
+from vlbatch.pipeline.workers import CallTimedOut, WorkerPool, default_workers
 from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, OutputFolder, PartWriter
 
 log = logging.getLogger("vlbatch")
@@ -82,6 +82,11 @@ def default_prompts(job: Job):
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise JobCannotRunError(f"cannot load the model's processor from {job.model!r}: "
                                 f"{reason}") from e
+
+
+def cached_completion(hit: dict) -> Completion:
+    """An answer as the result cache keeps it."""
+    return Completion("", hit["output"], None, hit.get("prompt_tokens"), hit.get("output_tokens"))
 
 
 def _in_background(fn: Callable, *args) -> Future:
@@ -189,28 +194,22 @@ class JobRun:
         cache_dir = str(self.job.cache) if use_features else None
 
         def args(u: PageUnit) -> tuple:
-            key = FeatureCache.page_key(u.source.sha256, u.page, r.dpi, r.min_pixels, r.max_pixels)
             return (u.source.abs_path, u.kind, u.page, r.dpi, r.min_pixels, r.max_pixels,
-                    r.pdf_password, cache_dir, key)
+                    r.pdf_password, cache_dir, u.feature_key(r))
 
-        spent: dict[str, float] = {}  # render seconds per file, against render.file_timeout_s
-        limit = r.file_timeout_s
+        budget = ingest.FileTimeBudget(r.file_timeout_s, r.page_timeout_s)
 
         def schedule() -> Iterator[PageUnit]:
             for unit in units:
-                if spent.get(unit.source.path, 0.0) > limit:
-                    rendered.put((unit, CallTimedOut(
-                        f"timeout: the file used up its time limit ({limit:g} s)")))
+                if budget.used_up(unit.source.path):
+                    rendered.put((unit, CallTimedOut(budget.reason)))
                 else:
                     yield unit
 
         def produce() -> None:
             try:
                 for item in pool.imap(ingest.render_page, schedule(), args):
-                    unit, page = item
-                    cost = (page.render_s if isinstance(page, ingest.RenderedPage)
-                            else r.page_timeout_s if isinstance(page, CallTimedOut) else 0.0)
-                    spent[unit.source.path] = spent.get(unit.source.path, 0.0) + cost
+                    budget.charge(item[0].source.path, item[1])
                     rendered.put(item)
             except Exception as e:  # the pool itself failed: every page left gets an error
                 log.error("rendering stopped: %s", e)
@@ -237,9 +236,9 @@ class JobRun:
             unit, page = item
             seen.add(unit.order)
             if isinstance(page, Exception):
-                self._page_row(unit, None, str(page))
-                stopped = isinstance(page, (CallTimedOut, WorkerDied))
-                self._error_rows(unit, str(page) if stopped else f"render failed: {page}")
+                page_error, row_error = ingest.failure_reasons(page)
+                self._page_row(unit, None, page_error)
+                self._error_rows(unit, row_error)
                 continue
             self._page_row(unit, page, None)
             yield from self._requests_for(unit, page, cache)
@@ -261,20 +260,13 @@ class JobRun:
         canonical = self.deduper.canonical(page.content_hash, page.phash, image, page.text_layer)
         self.stats.near_duplicates = self.deduper.near_merged
         for task in unit.tasks:
-            text = task.render_prompt(text_layer=page.text_layer or "", source=unit.source.path,
-                                      page=unit.page)
-            key = request_key(self.job.cache_namespace, canonical, self.job.model, text, task)
+            text, key = prompt_and_key(self.job, task, canonical, page.text_layer,
+                                       unit.source.path, unit.page)
             if key in self._by_key:  # the same page and prompt is in the engine now
                 self._by_key[key].waiters.append((unit, task, hashes))
                 self.stats.duplicates_merged += 1
                 continue
-            reuse = self._answers.get(key)
-            if reuse is None and cache is not None:
-                hit = cache.get(key)
-                if hit is not None:
-                    reuse = (hit.get("origin"), Completion("", hit["output"], None,
-                                                           hit.get("prompt_tokens"),
-                                                           hit.get("output_tokens")))
+            reuse = self._earlier_answer(key, cache)
             if reuse is not None:  # answered earlier in this run, or in an earlier run
                 origin, answer = reuse
                 if key in self._answered:
@@ -287,6 +279,14 @@ class JobRun:
             pending = _Pending(key, unit, task, hashes)
             self._pending[request_id] = self._by_key[key] = pending
             yield Request(request_id, image, text, task)
+
+    def _earlier_answer(self, key: str, cache: ResultCache | None) -> tuple[str | None, Completion] | None:
+        """(origin page, answer) of a request answered earlier in this run or, through the
+        result cache, in an earlier one; None if there is none."""
+        if key in self._answers:
+            return self._answers[key]
+        hit = cache.get(key) if cache is not None else None
+        return (hit.get("origin"), cached_completion(hit)) if hit is not None else None
 
     def _answer_row(self, unit, task, hashes, answer: Completion, reused_from: str | None):
         self._row(unit, task, output=answer.text, error=answer.error, hashes=hashes, cached=True,
@@ -327,9 +327,7 @@ class JobRun:
             return True
         if features is None:
             return False
-        r = self.job.render
-        return any(not features.has_page(FeatureCache.page_key(
-            u.source.sha256, u.page, r.dpi, r.min_pixels, r.max_pixels)) for u in units)
+        return any(not features.has_page(u.feature_key(self.job.render)) for u in units)
 
     def _plan(self, units: list[PageUnit], prompts: Future) -> list[PageUnit]:
         self.prompts = prompts.result()

@@ -32,7 +32,7 @@ from vlbatch.executor.ray_stages import GeneratePages, PlanPages, RenderPages, j
 from vlbatch.pipeline.cache import FeatureCache, ResultCache
 from vlbatch.pipeline.plan import PageUnit
 from vlbatch.pipeline.workers import WorkerPool
-from vlbatch.runner import JobRun, _Pending
+from vlbatch.runner import JobRun, _Pending, cached_completion
 
 log = logging.getLogger("vlbatch")
 # every Ray process a run starts: NVLink multicast off (shared/device/README.md)
@@ -125,16 +125,15 @@ class RayJobRun(JobRun):
         context.execution_options.preserve_order = True  # dedupe decides in plan order
         context.enable_progress_bars = False  # vlbatch shows its own progress
         context.print_on_execution_start = log.isEnabledFor(logging.DEBUG)
-        r = job.render
         items = [{"order": u.order, "source": u.source.path, "page": u.page, "path": u.source.abs_path,
                   "kind": u.kind, "tasks": json.dumps([t.name for t in u.tasks]),
-                  "page_key": FeatureCache.page_key(u.source.sha256, u.page, r.dpi, r.min_pixels,
-                                                    r.max_pixels)} for u in units]
+                  "page_key": u.feature_key(job.render)} for u in units]
         per_batch = settings.pages_per_batch
-        cpus = int(ray.cluster_resources().get("CPU", 1))
+        cluster = ray.cluster_resources()
+        cpus = int(cluster.get("CPU", 1))
         gpus = settings.gpus_per_worker
         if gpus is None:
-            gpus = job.engine.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
+            gpus = job.engine.tensor_parallel_size if cluster.get("GPU") else 0
         spec = job_to_dict(job)
         ds = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / per_batch)))
         ds = ds.map_batches(RenderPages, fn_constructor_kwargs={"job": spec}, batch_size=per_batch,
@@ -182,10 +181,9 @@ class RayJobRun(JobRun):
                     self._failed[key] = plan["error"]
             elif plan["action"] == "cached":
                 self.stats.cache_hits += 1
-                answer = Completion("", plan["output"], None, plan.get("prompt_tokens"),
-                                    plan.get("output_tokens"))
                 origin = plan.get("origin")
-                self._answer_row(unit, task, hashes, answer, origin if origin != unit.ref else None)
+                self._answer_row(unit, task, hashes, cached_completion(plan),
+                                 origin if origin != unit.ref else None)
             else:  # a copy of a request sent earlier in this run: its answer is back already
                 self.stats.duplicates_merged += 1
                 self._answer_row(unit, task, hashes, self._answer_of(key, cache), plan["origin"])
@@ -193,9 +191,5 @@ class RayJobRun(JobRun):
     def _answer_of(self, key: str, cache: ResultCache | None) -> Completion:
         if key in self._failed:
             return Completion("", None, self._failed[key])
-        if key in self._answers:
-            return self._answers[key][1]
-        hit = cache.get(key) if cache is not None else None
-        if hit is None:
-            return Completion("", None, "the answer of the page this copies was lost")
-        return Completion("", hit["output"], None, hit.get("prompt_tokens"), hit.get("output_tokens"))
+        earlier = self._earlier_answer(key, cache)
+        return earlier[1] if earlier else Completion("", None, "the answer of the page this copies was lost")

@@ -21,6 +21,8 @@ from PIL import Image
 
 from vlbatch.engine.base import Completion, Request
 from vlbatch.job import Job
+from vlbatch.pipeline import ingest
+from vlbatch.pipeline.cache import prompt_and_key
 
 PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "order": pa.int64(), "source": pa.string(), "page": pa.int32(), "error": pa.string(),
@@ -52,12 +54,10 @@ class RenderPages:
 
         self.job = Job.model_validate(job)
         self.pool = WorkerPool(1, self.job.render.page_timeout_s, lookahead=2)
-        self.spent: dict[str, float] = {}  # render seconds per file
+        self.budget = ingest.FileTimeBudget(self.job.render.file_timeout_s,
+                                            self.job.render.page_timeout_s)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from vlbatch.pipeline import ingest
-        from vlbatch.pipeline.workers import CallTimedOut, WorkerDied
-
         r, job = self.job.render, self.job
         cache_dir = str(job.cache) if job.feature_cache else None
         rows = batch.to_pylist()
@@ -66,19 +66,16 @@ class RenderPages:
 
         def within_time_limit():
             for row in rows:
-                if self.spent.get(row["path"], 0.0) > r.file_timeout_s:
-                    reason = f"timeout: the file used up its time limit ({r.file_timeout_s:g} s)"
-                    row.update(error=reason, row_error=reason)
+                if self.budget.used_up(row["path"]):
+                    row.update(error=self.budget.reason, row_error=self.budget.reason)
                 else:
                     yield row
 
         for row, page in self.pool.imap(ingest.render_page, within_time_limit(), args):
-            cost = (page.render_s if isinstance(page, ingest.RenderedPage)
-                    else r.page_timeout_s if isinstance(page, CallTimedOut) else 0.0)
-            self.spent[row["path"]] = self.spent.get(row["path"], 0.0) + cost
+            self.budget.charge(row["path"], page)
             if isinstance(page, Exception):
-                stopped = isinstance(page, (CallTimedOut, WorkerDied))
-                row.update(error=str(page), row_error=str(page) if stopped else f"render failed: {page}")
+                page_error, row_error = ingest.failure_reasons(page)
+                row.update(error=page_error, row_error=row_error)
                 continue
             row.update(width=page.width, height=page.height, rgb=page.rgb,
                        text_layer=page.text_layer, content_hash=page.content_hash,
@@ -107,8 +104,6 @@ class PlanPages:
         self.sent: dict[str, str] = {}  # request key -> the page ("source#page") it came from
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from vlbatch.pipeline.cache import request_key
-
         rows = batch.to_pylist()
         for row in rows:
             if row["error"] is not None:
@@ -118,17 +113,15 @@ class PlanPages:
             canonical = self.deduper.canonical(row["content_hash"], row["phash"], image,
                                                row["text_layer"])
             row["near_merged"] = self.deduper.near_merged > merged
-            plans = [self._plan(row, canonical, name, request_key) for name in json.loads(row["tasks"])]
+            plans = [self._plan(row, canonical, name) for name in json.loads(row["tasks"])]
             row["tasks"] = json.dumps(plans)
             if not any(p["action"] == "generate" for p in plans):
                 row["rgb"] = None  # no need to ship the image on
         return _table(rows, {"near_merged": pa.bool_()})
 
-    def _plan(self, row: dict, canonical: str, name: str, request_key) -> dict:
-        task, job = self.tasks[name], self.job
-        text = task.render_prompt(text_layer=row["text_layer"] or "", source=row["source"],
-                                  page=row["page"])
-        key = request_key(job.cache_namespace, canonical, job.model, text, task)
+    def _plan(self, row: dict, canonical: str, name: str) -> dict:
+        text, key = prompt_and_key(self.job, self.tasks[name], canonical, row["text_layer"],
+                                   row["source"], row["page"])
         if key in self.sent:
             return {"name": name, "key": key, "action": "copy", "origin": self.sent[key]}
         hit = self.results.get(key) if self.results is not None else None

@@ -24,6 +24,14 @@ def request_key(namespace: str, content_hash: str, model: str, prompt: str, task
     return "result:" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 
+def prompt_and_key(job, task: Task, canonical: str, text_layer: str | None, source: str,
+                   page: int | None) -> tuple[str, str]:
+    """The task's prompt for a page, placeholders filled, and its request key (the page by
+    its canonical content hash, after dedupe)."""
+    text = task.render_prompt(text_layer=text_layer or "", source=source, page=page)
+    return text, request_key(job.cache_namespace, canonical, job.model, text, task)
+
+
 def _open_cache(folder: Path, name: str, size_limit_gib: float):
     """A diskcache in folder/name, least recently used entries evicted past the limit."""
     import diskcache

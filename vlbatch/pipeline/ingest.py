@@ -54,6 +54,35 @@ class RenderedPage:
         return Image.frombytes("RGB", (self.width, self.height), self.rgb)
 
 
+class FileTimeBudget:
+    """render.file_timeout_s: the render seconds one file may use in all. A page that ran
+    past its own limit counts as the whole page limit."""
+
+    def __init__(self, limit_s: float, page_timeout_s: float):
+        self.limit_s, self.page_timeout_s = limit_s, page_timeout_s
+        self.spent: dict[str, float] = {}  # per file path
+        self.reason = f"timeout: the file used up its time limit ({limit_s:g} s)"
+
+    def used_up(self, path: str) -> bool:
+        return self.spent.get(path, 0.0) > self.limit_s
+
+    def charge(self, path: str, result: object) -> None:
+        from vlbatch.pipeline.workers import CallTimedOut
+
+        cost = (result.render_s if isinstance(result, RenderedPage)
+                else self.page_timeout_s if isinstance(result, CallTimedOut) else 0.0)
+        self.spent[path] = self.spent.get(path, 0.0) + cost
+
+
+def failure_reasons(error: Exception) -> tuple[str, str]:
+    """(page row error, result row error) for a page that did not render: a page stopped by
+    its time limit or a dead worker says so; any other failure is 'render failed: ...'."""
+    from vlbatch.pipeline.workers import CallTimedOut, WorkerDied
+
+    stopped = isinstance(error, (CallTimedOut, WorkerDied))
+    return str(error), str(error) if stopped else f"render failed: {error}"
+
+
 def file_kind(path: str) -> str:
     with open(path, "rb") as f:
         head = f.read(1024)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vlbatch.job import Task
+from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.discover import Source
 from vlbatch.pipeline.imaging import PageImageError, smart_resize
 from vlbatch.pipeline.ingest import Probe
@@ -34,6 +35,11 @@ class PageUnit:
     @property
     def ref(self) -> str:
         return f"{self.source.path}#{self.page}"
+
+    def feature_key(self, render) -> str:
+        """This page's key in the feature cache, for the job's render settings."""
+        return FeatureCache.page_key(self.source.sha256, self.page, render.dpi,
+                                     render.min_pixels, render.max_pixels)
 
 
 def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageUnit]:
