@@ -66,7 +66,8 @@ def job_fields(model: Path | str, inputs: list[str], **overrides) -> dict:
     return fields
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`vlbatch ...` as a user runs it: a real subprocess."""
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`vlbatch ...` as a user runs it: a real subprocess (`env`: extra variables)."""
     return subprocess.run([sys.executable, "-m", "vlbatch", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})

@@ -68,6 +68,9 @@ class VllmEngine:
             raise JobCannotRunError(f"engine failed to start ({type(e).__name__}): {reason}") from e
         self.start_seconds = time.monotonic() - started
         self.version = __import__("vllm").__version__
+        log.debug("vLLM %s started in %.1f s (torch threads %d, OMP_NUM_THREADS %s)", self.version,
+                  self.start_seconds, __import__("torch").get_num_threads(),
+                  os.environ.get("OMP_NUM_THREADS"))
 
     @property
     def prompts(self) -> PromptBuilder:
