@@ -5,6 +5,7 @@ pages from the feature cache, a damaged entry is rendered again."""
 from __future__ import annotations
 
 import io
+import json
 
 import diskcache
 import polars as pl
@@ -15,7 +16,8 @@ from conftest import job_fields
 from fakes import FakeEngine, fake_prompts
 from vlbatch.job import Dedupe, load_job
 from vlbatch.pipeline import ingest
-from vlbatch.pipeline.dedupe import same_page
+from vlbatch.pipeline.cache import FeatureCache
+from vlbatch.pipeline.dedupe import Deduper, bands, same_page
 from vlbatch.runner import JobRun
 
 FIELDS = ("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 EUR")
@@ -144,3 +146,81 @@ def test_namespaces_never_share_answers(write_job, tmp_path, samples):
     fields.update(cache_namespace="tenant-a", output="out-a2")
     stats, engine = run(write_job(fields))
     assert len(engine.requests) == 0 and stats.cache_hits == 2
+
+
+class CountingFeatureCache(FeatureCache):
+    """The real feature cache, counting the index reads the dedupe makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, index_in_background=False, **kwargs)
+        self.band_reads = self.phash_reads = 0
+        self.writing = False
+
+    def members(self, band):
+        self.band_reads += not self.writing
+        return super().members(band)
+
+    def _write_index(self, *args):  # its own reads, before it writes, are not the dedupe's
+        self.writing = True
+        super()._write_index(*args)
+        self.writing = False
+
+    def phash(self, content_hash):
+        self.phash_reads += 1
+        return super().phash(content_hash)
+
+
+def test_dedupe_reads_the_index_only_for_earlier_runs(tmp_path):
+    a = write_invoice(tmp_path / "a.pdf")
+    b = write_invoice(tmp_path / "b.pdf", (FIELDS[0][:-1] + "1", *FIELDS[1:]))
+    near_a = export(a, tmp_path / "a-q80.jpg", quality=80)
+    pages = {name: ingest.render_page(str(path), kind, 1, 150, 64 * 32 * 32, 1280 * 32 * 32, None,
+                                      str(tmp_path / "cache"), name)  # as a render worker does
+             for name, path, kind in (("a", a, "pdf"), ("b", b, "pdf"), ("near_a", near_a, "image"))}
+
+    def canonical(deduper, name):
+        page = pages[name]
+        return deduper.canonical(page.content_hash, page.phash, page.image(), page.text_layer)
+
+    # a fresh cache: nothing of earlier runs to search, yet this run's copies merge
+    ingest._feature_caches.pop(str(tmp_path / "cache")).close()
+    index = CountingFeatureCache(tmp_path / "cache")
+    index.empty_at_open = True  # as when the run opened it, before its workers wrote pages
+    first = Deduper(Dedupe(), index=index)
+    assert canonical(first, "a") == pages["a"].content_hash
+    assert canonical(first, "near_a") == pages["a"].content_hash
+    assert canonical(first, "b") == pages["b"].content_hash
+    assert index.band_reads == index.phash_reads == 0
+    index.close()
+
+    # the next run: a page canonical before costs one read; a near copy of an earlier page
+    # is found through the bands, whose entries carry the perceptual hashes
+    index = CountingFeatureCache(tmp_path / "cache")
+    second = Deduper(Dedupe(), index=index)
+    assert canonical(second, "b") == pages["b"].content_hash
+    assert (index.band_reads, index.phash_reads) == (0, 1)
+    assert canonical(second, "near_a") == pages["a"].content_hash
+    assert index.band_reads == 16 and index.phash_reads == 2 and second.near_merged == 1
+    canonical(second, "near_a")  # the same bands again: read once per run
+    assert index.band_reads == 16
+    index.close()
+
+
+def test_band_entries_of_older_versions_still_match(tmp_path):
+    """Band entries once held content hashes only; their perceptual hashes are read."""
+    a = write_invoice(tmp_path / "a.pdf")
+    page = ingest.render_page(str(a), "pdf", 1, 150, 64 * 32 * 32, 1280 * 32 * 32, None,
+                              str(tmp_path / "cache"), "a")
+    near = ingest.render_page(str(export(a, tmp_path / "a.jpg", quality=80)), "image", 1, 150,
+                              64 * 32 * 32, 1280 * 32 * 32, None)
+    ingest._feature_caches.pop(str(tmp_path / "cache")).close()
+    index = FeatureCache(tmp_path / "cache", index_in_background=False)
+    Deduper(Dedupe(), index=index).canonical(page.content_hash, page.phash, page.image())
+    for band in bands(page.phash):  # rewrite as an older version wrote them
+        index._cache.set("band:" + band, json.dumps([page.content_hash]).encode())
+    index.close()
+    index = CountingFeatureCache(tmp_path / "cache")
+    deduper = Deduper(Dedupe(), index=index)
+    assert deduper.canonical(near.content_hash, near.phash, near.image()) == page.content_hash
+    assert index.phash_reads == 2  # its own (not seen before), then the candidate's
+    index.close()

@@ -208,9 +208,10 @@ class JobRun:
 
         def produce() -> None:
             try:
-                for item in pool.imap(ingest.render_page, schedule(), args):
-                    budget.charge(item[0].source.path, item[1])
-                    rendered.put(item)
+                for unit, page in pool.imap(ingest.render_page, schedule(), args):
+                    budget.charge(unit.source.path, page)
+                    rendered.put((unit, page.with_image() if isinstance(page, ingest.RenderedPage)
+                                  else page))
             except Exception as e:  # the pool itself failed: every page left gets an error
                 log.error("rendering stopped: %s", e)
             rendered.put(None)
@@ -256,6 +257,7 @@ class JobRun:
                       cache: ResultCache | None) -> Iterator[Request]:
         hashes = (page.content_hash, page.phash)
         self.stats.feature_cache_hits += page.from_cache
+        self.stats.cache_corrupt += page.healed
         image = page.image()
         canonical = self.deduper.canonical(page.content_hash, page.phash, image, page.text_layer)
         self.stats.near_duplicates = self.deduper.near_merged

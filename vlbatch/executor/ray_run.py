@@ -165,6 +165,7 @@ class RayJobRun(JobRun):
         self._page_row(unit, page, None)
         hashes = (row["content_hash"], row["phash"])
         self.stats.feature_cache_hits += bool(row["from_cache"])
+        self.stats.cache_corrupt += bool(row.get("healed"))
         self.stats.near_duplicates += bool(row.get("near_merged"))
         if row.get("engine_start_s") is not None:  # the slowest actor's start
             self.engine_version = row.get("engine_version")

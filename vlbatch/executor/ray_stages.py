@@ -28,7 +28,7 @@ PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "order": pa.int64(), "source": pa.string(), "page": pa.int32(), "error": pa.string(),
     "row_error": pa.string(), "width": pa.int32(), "height": pa.int32(), "rgb": pa.binary(),
     "text_layer": pa.string(), "content_hash": pa.string(), "phash": pa.string(),
-    "from_cache": pa.bool_(), "tasks": pa.string(),
+    "from_cache": pa.bool_(), "healed": pa.bool_(), "tasks": pa.string(),
 }
 
 
@@ -79,7 +79,7 @@ class RenderPages:
                 continue
             row.update(width=page.width, height=page.height, rgb=page.rgb,
                        text_layer=page.text_layer, content_hash=page.content_hash,
-                       phash=page.phash, from_cache=page.from_cache)
+                       phash=page.phash, from_cache=page.from_cache, healed=page.healed)
         return _table(rows)
 
 

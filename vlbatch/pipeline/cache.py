@@ -94,6 +94,8 @@ class FeatureCache(_JsonEntries):
         self._pending: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._cache = _open_cache(folder, "features", size_limit_gib)
+        # nothing from earlier runs to search: this run's pages are in the dedupe's memory
+        self.empty_at_open = len(self._cache) == 0
 
     @staticmethod
     def page_key(source_sha256: str, page: int, dpi: int, min_pixels: int, max_pixels: int) -> str:
@@ -133,9 +135,14 @@ class FeatureCache(_JsonEntries):
         return image.convert("RGB"), text if isinstance(text, str) else None
 
     # the band index (dedupe.Deduper's `index`)
-    def members(self, band: str) -> list[str]:
+    def members(self, band: str) -> list[tuple[str, str | None]]:
+        """(content hash, perceptual hash) of the canonical pages with this band; the
+        perceptual hash is None in entries written before it was stored with them."""
         found = self._json("band:" + band)
-        return found if isinstance(found, list) else []
+        if not isinstance(found, list):
+            return []
+        return [(m, None) if isinstance(m, str) else (m[0], m[1]) for m in found
+                if isinstance(m, str) or (isinstance(m, list) and len(m) == 2)]
 
     def phash(self, content_hash: str) -> str | None:
         found = self._json("phash:" + content_hash)
@@ -166,9 +173,10 @@ class FeatureCache(_JsonEntries):
             self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
             for band in bands(phash):
                 members = self.members(band)
-                if content_hash not in members:
-                    members = (members + [content_hash])[-self.MAX_BAND_MEMBERS:]
-                    self._cache.set("band:" + band, json.dumps(members).encode())
+                if all(h != content_hash for h, _ in members):
+                    members = (members + [(content_hash, phash)])[-self.MAX_BAND_MEMBERS:]
+                    self._cache.set("band:" + band, json.dumps(
+                        [h if p is None else [h, p] for h, p in members]).encode())
 
     def close(self) -> None:
         if self._writer is not None:

@@ -84,16 +84,24 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
 
 class Deduper:
     """Maps each page to its canonical page: itself, an exact copy seen before, or a
-    confirmed near-copy, in this run or (through the feature cache) in earlier ones."""
+    confirmed near-copy, in this run or (through the feature cache) in earlier ones.
 
-    def __init__(self, settings, index=None, keep_in_memory: int = 16):
+    It runs on the thread that feeds the engine, so it reads the cache's index as little
+    as it can: not at all when the cache was empty when the run opened it (this run's
+    pages are in memory), one read for a page that was canonical in an earlier run, and
+    each band's members of earlier runs once per run (the last `memo_bands` of them kept)."""
+
+    def __init__(self, settings, index=None, keep_in_memory: int = 16, memo_bands: int = 4096):
         self.settings = settings  # the job's Dedupe section
         self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
         self.index = index  # a FeatureCache: pages of earlier runs (or None)
+        self.search_index = index is not None and not getattr(index, "empty_at_open", False)
         self.bands: dict[str, set[str]] = {}
         self.phash_of: dict[str, str] = {}
         self.recent: OrderedDict[str, tuple[Image.Image, str | None]] = OrderedDict()
         self.keep = keep_in_memory
+        self.memo: OrderedDict[str, list[tuple[str, str | None]]] = OrderedDict()
+        self.memo_bands = memo_bands
         self.near_merged = 0
         self.rejected = 0  # candidates the pixel check refused
 
@@ -103,23 +111,47 @@ class Deduper:
             return self.recent[content_hash]
         return self.index.image(content_hash) if self.index is not None else None
 
-    def _candidates(self, phash: str) -> set[str]:
-        found: set[str] = set()
+    def _earlier_members(self, band: str) -> list[tuple[str, str | None]]:
+        """The index's members of a band: pages of earlier runs (this run's pages are in
+        self.bands), which do not change during the run."""
+        if band in self.memo:
+            self.memo.move_to_end(band)
+            return self.memo[band]
+        found = self.memo[band] = self.index.members(band)
+        if len(self.memo) > self.memo_bands:
+            self.memo.popitem(last=False)
+        return found
+
+    def _candidates(self, phash: str) -> dict[str, str | None]:
+        """Pages sharing a band with this one: content hash -> perceptual hash (None
+        where the index does not hold it alongside)."""
+        found: dict[str, str | None] = {}
         for band in bands(phash):
-            found |= self.bands.get(band, set())
-            if self.index is not None:
-                found |= set(self.index.members(band))
+            for content_hash in self.bands.get(band, ()):
+                found[content_hash] = self.phash_of[content_hash]
+            if self.search_index:
+                for content_hash, other in self._earlier_members(band):
+                    if found.get(content_hash) is None:
+                        found[content_hash] = other
         return found
 
     def canonical(self, content_hash: str, phash: str, image: Image.Image,
                   text_layer: str | None = None) -> str:
         if content_hash in self.phash_of:
             return content_hash
+        if self.max_distance > 0 and self.search_index and self.index.phash(content_hash):
+            # canonical in an earlier run, so it stays canonical (its answers are cached
+            # under it); already in the index
+            self._register(content_hash, phash, image, text_layer, index=False)
+            return content_hash
         if self.max_distance > 0:
             close = []
-            for candidate in self._candidates(phash):
-                other = self.phash_of.get(candidate) or (self.index.phash(candidate) if self.index else None)
-                if other is not None and candidate != content_hash:
+            for candidate, other in self._candidates(phash).items():
+                if candidate == content_hash:
+                    continue
+                if other is None and self.index is not None:
+                    other = self.index.phash(candidate)
+                if other is not None:
                     distance = hamming(phash, other)
                     if distance <= self.max_distance:
                         close.append((distance, candidate))
@@ -135,11 +167,11 @@ class Deduper:
         return content_hash
 
     def _register(self, content_hash: str, phash: str, image: Image.Image,
-                  text_layer: str | None) -> None:
+                  text_layer: str | None, index: bool = True) -> None:
         self.phash_of[content_hash] = phash
         for band in bands(phash):
             self.bands.setdefault(band, set()).add(content_hash)
-        if self.index is not None:
+        if index and self.index is not None:
             self.index.add(content_hash, phash, text_layer)
         self.recent[content_hash] = (image, text_layer)
         while len(self.recent) > self.keep:

@@ -14,7 +14,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
@@ -49,9 +49,18 @@ class RenderedPage:
     phash: str
     from_cache: bool = False  # read from the feature cache, not rendered
     render_s: float = 0.0  # worker time spent on this page
+    healed: bool = False  # its feature-cache entry was damaged, so it was rendered again
+    built: Image.Image | None = field(default=None, repr=False, compare=False)
 
     def image(self) -> Image.Image:
+        if self.built is not None:
+            return self.built
         return Image.frombytes("RGB", (self.width, self.height), self.rgb)
+
+    def with_image(self) -> RenderedPage:
+        """The page with its image built and its raw bytes dropped (the render hand-over
+        thread does this, so the thread that feeds the engine does not)."""
+        return dataclasses.replace(self, rgb=b"", built=self.image())
 
 
 class FileTimeBudget:
@@ -186,7 +195,7 @@ def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_
                 cache_key: str | None = None) -> RenderedPage:
     """The page as the model sees it: from the feature cache when an earlier run rendered
     it with the same settings, else rendered (and then cached)."""
-    cache = None
+    cache, damaged = None, False
     if cache_dir and cache_key:
         from vlbatch.pipeline.cache import FeatureCache
 
@@ -201,10 +210,10 @@ def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_
                 return RenderedPage(rgb.width, rgb.height, rgb.tobytes(), meta.get("text_layer"),
                                     meta["content_hash"], meta["phash"], from_cache=True)
             except Exception:  # a damaged entry: render again, and overwrite it
-                cache.corrupt += 1
+                damaged = True
     started = time.monotonic()
     rendered = _render(path, kind, page, dpi, min_pixels, max_pixels, password)
-    rendered = dataclasses.replace(rendered, render_s=time.monotonic() - started)
+    rendered = dataclasses.replace(rendered, render_s=time.monotonic() - started, healed=damaged)
     if cache is not None:
         buf = io.BytesIO()
         rendered.image().save(buf, "PNG", compress_level=1)
