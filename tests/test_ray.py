@@ -170,3 +170,15 @@ def test_file_time_limit_under_ray_keeps_finished_pages(local_ray, write_job, tm
     assert ok.height >= 2 and timed_out.height >= 2
     assert timed_out["error"].str.starts_with("timeout: the file used up its time limit").all()
     assert (df.filter(pl.col("source") == "docs/short.pdf")["status"] == "ok").all()
+
+
+def test_address_null_starts_its_own_cluster(monkeypatch):
+    """`ray.address: null` never joins whatever cluster the environment points at."""
+    from vlbatch.executor.ray_run import connect
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing listens there: joining it
+    started, connected_here = connect(None)  # would fail (after Ray's ~10-minute retries)
+    try:
+        assert connected_here and started.cluster_resources().get("CPU", 0) >= 1
+    finally:
+        started.shutdown()

@@ -41,7 +41,8 @@ WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 
 def connect(address: str | None):
-    """Ray, started here (address None) or joined; the run's processes get WORKER_ENV."""
+    """Ray, started here (address None: a new local cluster, never one that happens to be
+    running, nor RAY_ADDRESS's) or joined; the run's processes get WORKER_ENV."""
     try:
         import ray
     except ImportError:
@@ -50,9 +51,9 @@ def connect(address: str | None):
         return ray, False
     debug = log.isEnabledFor(logging.DEBUG)
     try:
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=debug,
+        ray.init(address=address or "local", runtime_env={"env_vars": WORKER_ENV}, log_to_driver=debug,
                  include_dashboard=False, logging_level=logging.DEBUG if debug else logging.WARNING)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # Ray exits when it gives up on an address
         raise JobCannotRunError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
                                 f"{root_cause(e)}") from None
     if not debug:  # Ray's console chatter only with --debug: vlbatch reports progress itself
