@@ -21,32 +21,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vlbatch.engine.base import Completion, Request  # noqa: E402
+from bench_memory import InstantEngine, WordCount  # noqa: E402
+
 from vlbatch.job import load_job  # noqa: E402
 from vlbatch.runner import JobRun  # noqa: E402
-
-
-class InstantEngine:
-    def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
-        for request in feed:
-            if request is not None:
-                yield Completion(request.request_id, "x" * 800, None, 1300, 256)
-
-    def close(self) -> None:
-        pass
-
-
-class WordCount:
-    @staticmethod
-    def text_tokens(text: str) -> int:
-        return len(text.split())
 
 
 def self_cpu_s() -> float:

@@ -95,7 +95,7 @@ class Deduper:
         self.settings = settings  # the job's Dedupe section
         self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
         self.index = index  # a FeatureCache: pages of earlier runs (or None)
-        self.search_index = index is not None and not getattr(index, "empty_at_open", False)
+        self.search_index = index is not None and not index.empty_at_open
         self.bands: dict[str, set[str]] = {}
         self.phash_of: dict[str, str] = {}
         self.recent: OrderedDict[str, tuple[Image.Image, str | None]] = OrderedDict()
@@ -139,32 +139,38 @@ class Deduper:
                   text_layer: str | None = None) -> str:
         if content_hash in self.phash_of:
             return content_hash
-        if self.max_distance > 0 and self.search_index and self.index.phash(content_hash):
-            # canonical in an earlier run, so it stays canonical (its answers are cached
-            # under it); already in the index
-            self._register(content_hash, phash, image, text_layer, index=False)
-            return content_hash
         if self.max_distance > 0:
-            close = []
-            for candidate, other in self._candidates(phash).items():
-                if candidate == content_hash:
-                    continue
-                if other is None and self.index is not None:
-                    other = self.index.phash(candidate)
-                if other is not None:
-                    distance = hamming(phash, other)
-                    if distance <= self.max_distance:
-                        close.append((distance, candidate))
-            for _, candidate in sorted(close):
-                other = self._page(candidate)
-                if other is None:
-                    continue
-                if same_page(image, other[0], text_layer, other[1], self.settings):
-                    self.near_merged += 1
-                    return candidate
-                self.rejected += 1
+            if self.search_index and self.index.phash(content_hash):
+                # canonical in an earlier run, so it stays canonical (its answers are
+                # cached under it); already in the index
+                self._register(content_hash, phash, image, text_layer, index=False)
+                return content_hash
+            merged = self._near_copy_of(content_hash, phash, image, text_layer)
+            if merged is not None:
+                return merged
         self._register(content_hash, phash, image, text_layer)
         return content_hash
+
+    def _near_copy_of(self, content_hash: str, phash: str, image: Image.Image,
+                      text_layer: str | None) -> str | None:
+        """The closest earlier page that the pixel check confirms as the same, if any."""
+        close = []
+        for candidate, other in self._candidates(phash).items():
+            if candidate == content_hash:
+                continue
+            if other is None and self.index is not None:
+                other = self.index.phash(candidate)
+            if other is not None and (distance := hamming(phash, other)) <= self.max_distance:
+                close.append((distance, candidate))
+        for _, candidate in sorted(close):
+            other = self._page(candidate)
+            if other is None:
+                continue
+            if same_page(image, other[0], text_layer, other[1], self.settings):
+                self.near_merged += 1
+                return candidate
+            self.rejected += 1
+        return None
 
     def _register(self, content_hash: str, phash: str, image: Image.Image,
                   text_layer: str | None, index: bool = True) -> None:
