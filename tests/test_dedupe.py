@@ -224,3 +224,40 @@ def test_band_entries_of_older_versions_still_match(tmp_path):
     assert deduper.canonical(near.content_hash, near.phash, near.image()) == page.content_hash
     assert index.phash_reads == 2  # its own (not seen before), then the candidate's
     index.close()
+
+
+def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
+    """The writer thread indexes queued pages a batch per transaction; the band entries are
+    the same as when each page is written alone, in order, the oldest dropped past 64."""
+    import random
+
+    rng = random.Random(7)
+    shared = "".join(rng.choice("0123456789abcdef") for _ in range(256))
+    pages = []  # 100 pages sharing 12 of their 16 bands, as same-layout pages do
+    for i in range(100):
+        own = "".join(rng.choice("0123456789abcdef") for _ in range(64))
+        pages.append((f"{i:064x}", shared[:192] + own, f"text {i}" if i % 2 else None))
+
+    def band_entries(folder):
+        with diskcache.Cache(str(folder / "features")) as cache:
+            return {k: cache[k] for k in cache.iterkeys() if not k.startswith("image:")}
+
+    alone = FeatureCache(tmp_path / "alone", index_in_background=False)
+    for page in pages:
+        alone.add(*page)
+    alone.close()
+
+    batched = FeatureCache(tmp_path / "batched")
+    transactions = []
+    write_index = batched._write_index
+    batched._write_index = lambda items: (transactions.append(len(items)), write_index(items))
+    for page in pages + [None]:
+        batched._pending.put(page)
+    batched._write_loop()  # the writer thread's loop, run here over a full queue
+    batched.close()
+
+    assert transactions == [64, 36]
+    entries = band_entries(tmp_path / "batched")
+    assert entries == band_entries(tmp_path / "alone")
+    shared_band = json.loads(entries["band:" + bands(pages[0][1])[0]])
+    assert [h for h, _ in shared_band] == [h for h, _, _ in pages[-64:]]

@@ -120,11 +120,23 @@ def test_prompt_token_count_equals_vllm_count(tiny_model, write_job, tmp_path):
                 rid = f"{i}-{task.name}"
                 requests.append(Request(rid, image, text, task))
                 expected[rid] = engine.prompts.prompt_tokens(text, image.width, image.height)
+        vllm_engine, outputs = engine.llm.llm_engine, []
+        step = vllm_engine.step
+
+        def counted_step():
+            stepped = step()
+            outputs.extend(stepped)
+            return stepped
+
+        vllm_engine.step = counted_step
         done = {c.request_id: c for c in engine.generate(iter(requests))}
     finally:
         engine.close()
     assert {rid: c.prompt_tokens for rid, c in done.items()} == expected
     assert all(c.error is None and c.output_tokens >= 1 for c in done.values())
+    # vLLM hands over finished requests only, not one output per running request and step
+    assert sum(c.output_tokens for c in done.values()) > len(done)
+    assert sorted(o.request_id for o in outputs) == sorted(done)
 
 
 def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, write_job, tmp_path):

@@ -83,10 +83,14 @@ class VllmEngine:
     def sampling_params(self, task: Task):
         if task.name not in self._params:
             from vllm import SamplingParams
+            from vllm.sampling_params import RequestOutputKind
 
+            # only finished requests are read: without FINAL_ONLY (LLM.generate's setting)
+            # vLLM builds an output per running request at every step on the feeding thread
             self._params[task.name] = SamplingParams(
                 max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
-                seed=task.seed, ignore_eos=task.ignore_eos)
+                seed=task.seed, ignore_eos=task.ignore_eos,
+                output_kind=RequestOutputKind.FINAL_ONLY)
         return self._params[task.name]
 
     def _add(self, engine, request: Request) -> None:

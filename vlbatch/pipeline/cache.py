@@ -87,6 +87,7 @@ class FeatureCache(_JsonEntries):
     across processes)."""
 
     MAX_BAND_MEMBERS = 64
+    WRITE_BATCH = 64  # pages indexed in one transaction, at most
 
     def __init__(self, folder: Path, size_limit_gib: float = 20.0, index_in_background: bool = True):
         self.corrupt = 0
@@ -153,7 +154,7 @@ class FeatureCache(_JsonEntries):
         feeds the engine (measured on the H200: indexing inline cost 12% of W1 throughput).
         The dedupe keeps this run's pages in memory, so it never waits for these writes."""
         if not self.index_in_background:
-            self._write_index(content_hash, phash, text_layer)
+            self._write_index([(content_hash, phash, text_layer)])
             return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="vlbatch-index",
@@ -162,19 +163,41 @@ class FeatureCache(_JsonEntries):
         self._pending.put((content_hash, phash, text_layer))
 
     def _write_loop(self) -> None:
-        while (item := self._pending.get()) is not None:
-            self._write_index(*item)
+        """Write what is queued in batches, one transaction each: a band shared by the
+        batch's pages (W1's pages share a layout) is read and written once, not per page."""
+        while True:
+            batch = [self._pending.get()]
+            while batch[-1] is not None and len(batch) < self.WRITE_BATCH:
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            pages = [item for item in batch if item is not None]
+            if pages:
+                self._write_index(pages)
+            if batch[-1] is None:
+                return
 
-    def _write_index(self, content_hash: str, phash: str, text_layer: str | None) -> None:
+    def _write_index(self, pages: list[tuple[str, str, str | None]]) -> None:
         from vlbatch.pipeline.dedupe import bands
 
+        joining: dict[str, list[tuple[str, str]]] = {}  # band -> pages joining it, in order
         with self._cache.transact():
-            self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
-            self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
-            for band in bands(phash):
+            for content_hash, phash, text_layer in pages:
+                self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
+                self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
+                for band in bands(phash):
+                    joining.setdefault(band, []).append((content_hash, phash))
+            for band, new in joining.items():
                 members = self.members(band)
-                if all(h != content_hash for h, _ in members):
-                    members = (members + [(content_hash, phash)])[-self.MAX_BAND_MEMBERS:]
+                known = {h for h, _ in members}
+                added = []
+                for content_hash, phash in new:
+                    if content_hash not in known:
+                        known.add(content_hash)
+                        added.append((content_hash, phash))
+                if added:
+                    members = (members + added)[-self.MAX_BAND_MEMBERS:]
                     self._cache.set("band:" + band, json.dumps(
                         [h if p is None else [h, p] for h, p in members]).encode())
 
