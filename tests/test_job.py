@@ -91,12 +91,15 @@ def test_engine_settings_reach_vllm_arguments(tmp_path):
     from vlbatch.engine.vllm_engine import engine_kwargs
 
     text = VALID + ("engine:\n  max_num_seqs: 64\n  load_format: dummy\n  compile_mm_encoder: true\n"
-                    "  compile_cache_dir: vllm-cache\nrender:\n  max_pixels: 500000\n")
+                    "  cudagraph_mm_encoder: true\n  compile_cache_dir: vllm-cache\n"
+                    "render:\n  max_pixels: 500000\n")
     job = load_job(write(tmp_path, text))
     kwargs = engine_kwargs(job)
     assert kwargs["max_num_seqs"] == 64 and kwargs["load_format"] == "dummy"
     assert "max_model_len" not in kwargs  # unset: vLLM's own default
-    assert kwargs["compilation_config"] == {"compile_mm_encoder": True}
+    assert kwargs["compilation_config"] == {"compile_mm_encoder": True, "cudagraph_mm_encoder": True}
+    plain = load_job(write(tmp_path, VALID + "engine:\n  compile_mm_encoder: false\n"))
+    assert "compilation_config" not in engine_kwargs(plain)
     assert kwargs["mm_processor_kwargs"]["size"]["longest_edge"] == 500000
     assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
     assert job.engine.compile_cache_dir == (tmp_path / "vllm-cache").resolve()

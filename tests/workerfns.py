@@ -13,3 +13,9 @@ def square_or_misbehave(x: int) -> int:
     if x == 7:
         raise ValueError("seven is not allowed")
     return x * x
+
+
+def niceness_or_crash(x: int) -> int:
+    if x == 0:
+        os.kill(os.getpid(), signal.SIGSEGV)  # its replacement must be lowered too
+    return os.nice(0)

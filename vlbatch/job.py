@@ -107,9 +107,11 @@ class Engine(_Strict):
     # requests resident), bounded so host memory stays flat
     max_in_flight: int = Field(default=512, ge=1)
     cpu_kv_cache_gib: float = Field(default=2.0, gt=0)  # CPU build only
-    # torch.compile the vision encoder too (vLLM option; no effect with enforce_eager). H200,
-    # W1: 10.76 pages/s with it vs 8.31 without (raw vLLM, same machine; docs/benchmarks.md)
+    # torch.compile the vision encoder too (vLLM option; no effect with enforce_eager); +11% on
+    # prefill (shared/DESIGN.md); on W1 end to end within noise (H200, docs/benchmarks.md)
     compile_mm_encoder: bool = True
+    # CUDA graphs of the vision encoder (vLLM option, GPU only; not yet measured here)
+    cudagraph_mm_encoder: bool = False
     compile_cache_dir: Path | None = None  # vLLM's cache root (compiled graphs); None: ~/.cache/vllm
     trust_remote_code: bool = False
 

@@ -39,8 +39,9 @@ def engine_kwargs(job: Job) -> dict:
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     enable_prefix_caching=e.enable_prefix_caching)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
-    if e.compile_mm_encoder:
-        kwargs["compilation_config"] = {"compile_mm_encoder": True}
+    compilation = {k: True for k in ("compile_mm_encoder", "cudagraph_mm_encoder") if getattr(e, k)}
+    if compilation:
+        kwargs["compilation_config"] = compilation
     return kwargs
 
 
