@@ -77,6 +77,7 @@ def run_raw(args) -> dict:
     with WorkerPool(default_workers(0), 120) as pool:
         probes = [p for _, p in pool.imap(ingest.probe, sources, lambda s: (s.abs_path, r.dpi, None))]
         units = [(s.abs_path, p.kind, pg.page) for s, p in zip(sources, probes) for pg in p.pages]
+        units = units[:args.limit] if args.limit else units
         images = [page.image() for _, page in pool.imap(ingest.render_page, units, lambda u: (
             *u, r.dpi, r.min_pixels, r.max_pixels, None))]
     render_s = time.monotonic() - started
@@ -115,6 +116,11 @@ def run_vlbatch(args) -> dict:
     from vlbatch.runner import job_run_for
 
     job = load_job(args.job)
+    if args.fresh:  # no answers, pages or index from an earlier run of this job
+        import shutil
+
+        for folder in (job.output, job.cache):
+            shutil.rmtree(folder, ignore_errors=True)
     started = time.monotonic()
     last = [started]
 
@@ -125,7 +131,7 @@ def run_vlbatch(args) -> dict:
                   f"pages, {stats.generated} generated, engine start {stats.engine_start_s}",
                   flush=True)
 
-    stats = job_run_for(job, progress=progress).execute()
+    stats = job_run_for(job, progress=progress, limit=args.limit or None).execute()
     wall_s = time.monotonic() - started
     run_s = stats.seconds - (stats.engine_start_s or 0)
     return {"mode": f"vlbatch-{job.executor}", "pages": stats.pages_finished,
@@ -159,6 +165,10 @@ def main() -> None:
     parser.add_argument("--vllm-defaults", action="store_true",
                         help="raw: LLM(model) with vLLM's defaults, not vlbatch's arguments")
     parser.add_argument("--job")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="raw, vlbatch: the first N pages only (a warm-up run)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="vlbatch: delete the job's output and cache folders first")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--debug", action="store_true",
                         help="vlbatch's debug log (with executor: ray, the actors' logs too)")

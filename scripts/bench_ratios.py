@@ -1,7 +1,9 @@
 """Ratios between bench_gpu.py results (JSON files written side by side in one session):
 vlbatch end to end over raw vLLM: generation windows, and whole processes where recorded.
 
-    python scripts/bench_ratios.py OUT_DIR
+    python scripts/bench_ratios.py OUT_DIR [OUT_DIR ...]
+
+Warm-up runs (files named warmup-*) are left out: they compile, and are not compared.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import sys
 from pathlib import Path
 
 
-def main(folder: Path) -> None:
-    runs = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+def main(folders: list[Path]) -> None:
+    runs = {p.stem: json.loads(p.read_text()) for folder in folders
+            for p in sorted(folder.glob("*.json")) if not p.stem.startswith("warmup-")}
     raws = {k: v for k, v in runs.items() if v["mode"].startswith("raw")}
     for name, run in runs.items():
         if run["mode"].startswith("raw"):
@@ -31,4 +34,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main([Path(a) for a in sys.argv[1:]])
