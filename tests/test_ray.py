@@ -5,6 +5,7 @@ dies mid-run loses and duplicates nothing."""
 from __future__ import annotations
 
 import json
+import time
 
 import polars as pl
 import pytest
@@ -182,3 +183,25 @@ def test_address_null_starts_its_own_cluster(monkeypatch):
         assert connected_here and started.cluster_resources().get("CPU", 0) >= 1
     finally:
         started.shutdown()
+
+
+def test_an_address_where_nothing_listens_fails_in_seconds():
+    import socket
+
+    from vlbatch.errors import JobCannotRunError
+    from vlbatch.executor.ray_run import check_listening, connect
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens on this port now
+    started = time.monotonic()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(JobCannotRunError, match=f"nothing answers at 127.0.0.1:{port}"):
+            connect(address)
+    assert time.monotonic() - started < 30  # Ray alone retries for minutes
+    with socket.socket() as listening:  # a port that answers passes the check
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_listening(f"127.0.0.1:{listening.getsockname()[1]}")
+    check_listening("auto")  # left to Ray

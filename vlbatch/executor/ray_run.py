@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import re
+import socket
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ log = logging.getLogger("vlbatch")
 # every Ray process a run starts: NVLink multicast off (shared/device/README.md)
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
               "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1"}
+CONNECT_TIMEOUT_S = 10  # an explicit address: how long to wait for its port to answer
 
 
 def connect(address: str | None):
@@ -49,6 +51,8 @@ def connect(address: str | None):
         raise JobCannotRunError("executor: ray needs Ray: pip install 'vlbatch[ray]'") from None
     if ray.is_initialized():
         return ray, False
+    if address:
+        check_listening(address)
     debug = log.isEnabledFor(logging.DEBUG)
     try:
         ray.init(address=address or "local", runtime_env={"env_vars": WORKER_ENV}, log_to_driver=debug,
@@ -64,6 +68,20 @@ def connect(address: str | None):
             if not isinstance(handler, logging.FileHandler):  # its log file stays complete
                 handler.setLevel(logging.ERROR)
     return ray, True
+
+
+def check_listening(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """An explicit address (host:port, ray://host:port) where nothing listens fails in
+    seconds, not after Ray's retries (2 to 10 minutes, measured). "auto" is left to Ray."""
+    found = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", address.strip())
+    if found is None:
+        return
+    host, port = found[1], int(found[2])
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise JobCannotRunError(f"cannot reach the Ray cluster at {address}: nothing answers at "
+                                f"{host}:{port} within {timeout_s:g} s ({e})") from None
 
 
 def root_cause(error: BaseException) -> str:
