@@ -17,8 +17,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-# workers render ahead of need: the engine's start and the thread that feeds it come first
-# (an H200 run saw vLLM's engine init take 36 s beside the workers and 24 s alone)
+# workers render ahead of need: when cores are short, the engine (its start, and the thread
+# that feeds it) comes first
 WORKER_NICENESS = 10
 
 
