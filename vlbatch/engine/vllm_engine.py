@@ -39,7 +39,8 @@ def engine_kwargs(job: Job) -> dict:
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     enable_prefix_caching=e.enable_prefix_caching)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
-    compilation = {k: True for k in ("compile_mm_encoder", "cudagraph_mm_encoder") if getattr(e, k)}
+    compilation = {name: True for name, on in (("compile_mm_encoder", e.compile_mm_encoder),
+                                               ("cudagraph_mm_encoder", e.cudagraph_mm_encoder)) if on}
     if compilation:
         kwargs["compilation_config"] = compilation
     return kwargs

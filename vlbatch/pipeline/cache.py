@@ -172,10 +172,12 @@ class FeatureCache(_JsonEntries):
                     batch.append(self._pending.get_nowait())
                 except queue.Empty:
                     break
-            pages = [item for item in batch if item is not None]
-            if pages:
-                self._write_index(pages)
-            if batch[-1] is None:
+            stop = batch[-1] is None  # close() queued the end: write what came before it
+            if stop:
+                batch.pop()
+            if batch:
+                self._write_index(batch)
+            if stop:
                 return
 
     def _write_index(self, pages: list[tuple[str, str, str | None]]) -> None:
