@@ -185,7 +185,7 @@ def test_address_null_starts_its_own_cluster(monkeypatch):
         started.shutdown()
 
 
-def test_an_address_where_nothing_listens_fails_in_seconds():
+def test_an_address_where_nothing_listens_fails_in_seconds(tiny_model, samples, write_job):
     import socket
 
     from vlbatch.errors import JobCannotRunError
@@ -200,6 +200,11 @@ def test_an_address_where_nothing_listens_fails_in_seconds():
         with pytest.raises(JobCannotRunError, match=f"nothing answers at 127.0.0.1:{port}"):
             connect(address)
     assert time.monotonic() - started < 30  # Ray alone retries for minutes
+    job = write_job({**job_fields(tiny_model, [f"{samples}/*"]), "executor": "ray",
+                     "ray": {"address": f"127.0.0.1:{port}"}})
+    result = run_cli("run", str(job), timeout=120)  # as cron runs it: exit 3, the reason
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert f"nothing answers at 127.0.0.1:{port}" in " ".join(result.stderr.split())  # unwrapped
     with socket.socket() as listening:  # a port that answers passes the check
         listening.bind(("127.0.0.1", 0))
         listening.listen()
