@@ -30,6 +30,41 @@ TASKS = [("markdown", "Convert this page to Markdown."),
          ("tables", "List every table on this page as CSV.")]
 
 
+class CpuSampler:
+    """Busy CPU cores of the whole machine, once a second, from /proc/stat: shows whether
+    something competes with vLLM's engine start (Linux only; nothing elsewhere)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[tuple[float, float]] = []  # (s since process start, busy cores)
+        self.epoch = time.time() - (time.monotonic() - PROCESS_START)  # process start, wall clock
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    def _run(self) -> None:
+        import os
+
+        before, then = self._read(), time.monotonic()
+        hz = os.sysconf("SC_CLK_TCK")
+        while before is not None:
+            time.sleep(1.0)
+            now, at = self._read(), time.monotonic()
+            if now is None:
+                return
+            busy_cores = (now[0] - before[0]) / hz / (at - then)
+            self.samples.append((round(at - PROCESS_START, 1), round(busy_cores, 2)))
+            before, then = now, at
+
+
 def _setting(text: str) -> tuple[str, object]:
     import yaml
 
@@ -181,7 +216,10 @@ def main() -> None:
     if args.mode == "job":
         write_job(args)
         return
+    cpu = CpuSampler()
     result = run_raw(args) if args.mode == "raw" else run_vlbatch(args)
+    result["process_start"] = time.strftime("%H:%M:%S", time.gmtime(cpu.epoch))  # UTC, as vLLM logs
+    result["cpu_busy_cores"] = cpu.samples
     result["process_s"] = round(time.monotonic() - PROCESS_START, 1)
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     print(json.dumps(result), flush=True)

@@ -6,6 +6,7 @@
 # Four calls on the same warm machine, each under 7 minutes:
 #   bash scripts/gpu_streaming.sh w1 [PAGES]   W1: raw with vlbatch's arguments, vlbatch
 #   bash scripts/gpu_streaming.sh defaults     W3, then raw with vLLM's defaults
+#   bash scripts/gpu_streaming.sh vllm-defaults  raw with vLLM's defaults, then vlbatch again
 #   bash scripts/gpu_streaming.sh cudagraph    raw and vlbatch with the encoder's CUDA graphs
 #   bash scripts/gpu_streaming.sh repeat       the W1 pair again, raw first; defaults again
 #   bash scripts/gpu_streaming.sh setting KEY=VALUE   any engine setting, raw and vlbatch
@@ -47,6 +48,10 @@ case $STAGE in
     step vlbatch-w3 170 $B vlbatch --job /tmp/w4/job.yaml --fresh
     step warmup-raw-vllm-defaults 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --limit $WARMUP_PAGES
     step raw-vllm-defaults 150 $B raw --job /tmp/w1/job.yaml --vllm-defaults ;;
+  vllm-defaults)  # raw with vLLM's defaults only (warm-up first); then the vlbatch run again
+    step warmup-raw-vllm-defaults 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --limit $WARMUP_PAGES
+    step raw-vllm-defaults 150 $B raw --job /tmp/w1/job.yaml --vllm-defaults
+    step vlbatch-w1-2 170 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   cudagraph)
     warm_up cudagraph /tmp/w1c/job.yaml
     step raw-cudagraph 150 $B raw --job /tmp/w1c/job.yaml
