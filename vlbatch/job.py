@@ -110,7 +110,8 @@ class Engine(_Strict):
     # torch.compile the vision encoder too (vLLM option; no effect with enforce_eager); +11% on
     # prefill (shared/DESIGN.md); on W1 end to end within noise (H200, docs/benchmarks.md)
     compile_mm_encoder: bool = True
-    # CUDA graphs of the vision encoder (vLLM option, GPU only; not yet measured here)
+    # CUDA graphs of the vision encoder (vLLM option, GPU only): on W1 no faster (H200, 2026-12-03:
+    # raw 10.24 vs 10.48 pages/s; docs/benchmarks.md) and 1 GiB less KV cache, so off
     cudagraph_mm_encoder: bool = False
     compile_cache_dir: Path | None = None  # vLLM's cache root (compiled graphs); None: ~/.cache/vllm
     trust_remote_code: bool = False
