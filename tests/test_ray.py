@@ -209,4 +209,30 @@ def test_an_address_where_nothing_listens_fails_in_seconds(tiny_model, samples, 
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         check_listening(f"127.0.0.1:{listening.getsockname()[1]}")
-    check_listening("auto")  # left to Ray
+    check_listening("auto")  # no cluster found: left to Ray, whose error is quick and clear
+
+
+def test_auto_where_the_last_cluster_has_stopped_fails_in_seconds(tmp_path, monkeypatch):
+    """`ray.address: auto` follows Ray's record of the last `ray start` on this machine,
+    which stays behind when that cluster stops: the run ends in seconds with the reason."""
+    import socket
+
+    from vlbatch.errors import JobCannotRunError
+    from vlbatch.executor.ray_run import bootstrap_address, connect
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's temp folder, with a stale record
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+    assert bootstrap_address("auto").endswith(f":{port}")
+    started = time.monotonic()
+    with pytest.raises(JobCannotRunError, match=f"where 'auto' leads.*nothing answers at .*:{port}"):
+        connect("auto")
+    assert time.monotonic() - started < 30
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # RAY_ADDRESS, as Ray reads it
+    with pytest.raises(JobCannotRunError, match=f"nothing answers at .*:{port}"):
+        connect("auto")

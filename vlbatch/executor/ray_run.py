@@ -52,7 +52,7 @@ def connect(address: str | None):
     if ray.is_initialized():
         return ray, False
     if address:
-        check_listening(address)
+        check_listening(address, bootstrap_address(address))
     debug = log.isEnabledFor(logging.DEBUG)
     try:
         ray.init(address=address or "local", runtime_env={"env_vars": WORKER_ENV}, log_to_driver=debug,
@@ -70,18 +70,36 @@ def connect(address: str | None):
     return ray, True
 
 
-def check_listening(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """An explicit address (host:port, ray://host:port) where nothing listens fails in
-    seconds, not after Ray's retries (2 to 10 minutes, measured). "auto" is left to Ray."""
-    found = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", address.strip())
+def bootstrap_address(address: str) -> str:
+    """Where Ray will connect for `address`: for "auto", the cluster Ray finds itself
+    (RAY_ADDRESS, else the last `ray start` on this machine, recorded in Ray's temp folder,
+    which outlives a stopped cluster); any other address as given. Where Ray cannot say,
+    "auto" stays, and Ray reports the problem itself."""
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address("auto") or address
+    except Exception:  # no cluster found (Ray's own error is clear and quick), or Ray moved it
+        return address
+
+
+def check_listening(address: str, resolved: str | None = None,
+                    timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A cluster address (host:port, ray://host:port; `resolved` is where "auto" led) where
+    nothing listens fails in seconds, not after Ray's retries (2 to 10 minutes, measured)."""
+    target = resolved or address
+    found = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", target.strip())
     if found is None:
         return
     host, port = found[1], int(found[2])
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
-        raise JobCannotRunError(f"cannot reach the Ray cluster at {address}: nothing answers at "
-                                f"{host}:{port} within {timeout_s:g} s ({e})") from None
+        via = f" (where {address!r} leads)" if target != address else ""
+        raise JobCannotRunError(f"cannot reach the Ray cluster at {target}{via}: nothing answers "
+                                f"at {host}:{port} within {timeout_s:g} s ({e})") from None
 
 
 def root_cause(error: BaseException) -> str:
