@@ -10,6 +10,7 @@
 #   bash scripts/gpu_streaming.sh cudagraph    raw and vlbatch with the encoder's CUDA graphs
 #   bash scripts/gpu_streaming.sh repeat       the W1 pair again, raw first; defaults again
 #   bash scripts/gpu_streaming.sh setting KEY=VALUE   any engine setting, raw and vlbatch
+#   bash scripts/gpu_streaming.sh init [PAGES]  vlbatch only, cold then warm (engine start)
 # Results as JSON under $OUT, ratios from scripts/bench_ratios.py.
 # Needs .gpu/models/ (a copy of shared/models/).
 set -uo pipefail
@@ -33,16 +34,22 @@ job() {  # job WORK TASKS [ENGINE SETTING]: a job file over the W1 pages
 warm_up() {  # warm_up NAME JOB: compile this configuration on a few pages (not compared)
   step "warmup-$1" 240 $B vlbatch --job "$2" --fresh --limit $WARMUP_PAGES
 }
+set_up() {  # set_up PAGES: the model folder, the W1 pages and the job files
+  python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" > /dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
+  python3 scripts/make_pages.py /tmp/w1-pages "$1" 10 > /dev/null
+  job /tmp/w1 1; job /tmp/w4 4; job /tmp/w1c 1 cudagraph_mm_encoder=true
+}
 case $STAGE in
   w1)
-    PAGES=${1:-400}
-    python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" > /dev/null
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-    python3 scripts/make_pages.py /tmp/w1-pages "$PAGES" 10 > /dev/null
-    job /tmp/w1 1; job /tmp/w4 4; job /tmp/w1c 1 cudagraph_mm_encoder=true
+    set_up "${1:-400}"
     warm_up w1 /tmp/w1/job.yaml
     step raw-vlbatch-args 150 $B raw --job /tmp/w1/job.yaml
+    step vlbatch-w1 170 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
+  init)  # vlbatch's engine start, cold then warm, with the machine's busy CPU cores
+    set_up "${1:-400}"
+    warm_up w1 /tmp/w1/job.yaml
     step vlbatch-w1 170 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   defaults)  # W3 shares W1's engine configuration, so it is warm already
     step vlbatch-w3 170 $B vlbatch --job /tmp/w4/job.yaml --fresh
