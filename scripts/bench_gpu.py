@@ -31,38 +31,53 @@ TASKS = [("markdown", "Convert this page to Markdown."),
 
 
 class CpuSampler:
-    """Busy CPU cores of the whole machine, once a second, from /proc/stat: shows whether
-    something competes with vLLM's engine start (Linux only; nothing elsewhere)."""
+    """Once a second: the machine's busy CPU cores (/proc/stat) and the three processes that
+    used most CPU in that second, by name. Shows whether something competes with vLLM's
+    engine start (Linux only; no samples elsewhere)."""
 
     def __init__(self) -> None:
         import threading
 
-        self.samples: list[tuple[float, float]] = []  # (s since process start, busy cores)
+        self.samples: list[tuple] = []  # (s since process start, busy cores, [[name, pid, cores]])
         self.epoch = time.time() - (time.monotonic() - PROCESS_START)  # process start, wall clock
         threading.Thread(target=self._run, daemon=True).start()
 
     @staticmethod
-    def _read() -> tuple[int, int] | None:
+    def _machine_busy_ticks() -> int | None:
         try:
             fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
         except (OSError, ValueError):
             return None
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
+        return sum(fields) - fields[3] - fields[4]  # less idle and iowait
+
+    @staticmethod
+    def _process_ticks() -> dict[tuple[int, str], int]:
+        ticks = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:  # the process ended
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text[text.rindex(")") + 2:].split()
+            ticks[(int(stat.parent.name), name)] = int(fields[11]) + int(fields[12])  # utime+stime
+        return ticks
 
     def _run(self) -> None:
         import os
 
-        before, then = self._read(), time.monotonic()
         hz = os.sysconf("SC_CLK_TCK")
+        before, procs_before, then = self._machine_busy_ticks(), self._process_ticks(), time.monotonic()
         while before is not None:
             time.sleep(1.0)
-            now, at = self._read(), time.monotonic()
+            now, procs, at = self._machine_busy_ticks(), self._process_ticks(), time.monotonic()
             if now is None:
                 return
-            busy_cores = (now[0] - before[0]) / hz / (at - then)
-            self.samples.append((round(at - PROCESS_START, 1), round(busy_cores, 2)))
-            before, then = now, at
+            seconds = (at - then) * hz
+            top = sorted(((t - procs_before.get(k, 0), k) for k, t in procs.items()), reverse=True)[:3]
+            self.samples.append((round(at - PROCESS_START, 1), round((now - before) / seconds, 2),
+                                 [[name, pid, round(d / seconds, 2)] for d, (pid, name) in top if d]))
+            before, procs_before, then = now, procs, at
 
 
 def _setting(text: str) -> tuple[str, object]:
