@@ -3,7 +3,8 @@
 # own process with a fresh engine. Only warm runs are compared: the first run of an engine
 # configuration on a machine compiles, and it is slower while it generates too (H200,
 # 2026-12-03: 9.84 vs 10.98 pages/s), so each configuration first gets a short warm-up run.
-# Four calls on the same warm machine, each under 7 minutes:
+# Stages, each one device call under 7 minutes; all but w1 and init expect a machine that
+# ran w1 (the machine goes back 30 s after a call: chain them):
 #   bash scripts/gpu_streaming.sh w1 [PAGES]   W1: raw with vlbatch's arguments, vlbatch
 #   bash scripts/gpu_streaming.sh defaults     W3, then raw with vLLM's defaults
 #   bash scripts/gpu_streaming.sh vllm-defaults  raw with vLLM's defaults, then vlbatch again
@@ -41,23 +42,21 @@ set_up() {  # set_up PAGES: the model folder, the W1 pages and the job files
   python3 scripts/make_pages.py /tmp/w1-pages "$1" 10 > /dev/null
   job /tmp/w1 1; job /tmp/w4 4; job /tmp/w1c 1 cudagraph_mm_encoder=true
 }
+raw_vllm_defaults() {  # raw with vLLM's defaults, after its own warm-up (it compiles apart)
+  step warmup-raw-vllm-defaults 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --limit $WARMUP_PAGES
+  step raw-vllm-defaults 150 $B raw --job /tmp/w1/job.yaml --vllm-defaults
+}
 case $STAGE in
-  w1)
+  w1|init)  # init: vlbatch only, cold then warm, for its engine start (cpu_busy_cores)
     set_up "${1:-400}"
     warm_up w1 /tmp/w1/job.yaml
-    step raw-vlbatch-args 150 $B raw --job /tmp/w1/job.yaml
-    step vlbatch-w1 170 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
-  init)  # vlbatch's engine start, cold then warm, with the machine's busy CPU cores
-    set_up "${1:-400}"
-    warm_up w1 /tmp/w1/job.yaml
+    [ "$STAGE" = w1 ] && step raw-vlbatch-args 150 $B raw --job /tmp/w1/job.yaml
     step vlbatch-w1 170 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   defaults)  # W3 shares W1's engine configuration, so it is warm already
     step vlbatch-w3 170 $B vlbatch --job /tmp/w4/job.yaml --fresh
-    step warmup-raw-vllm-defaults 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --limit $WARMUP_PAGES
-    step raw-vllm-defaults 150 $B raw --job /tmp/w1/job.yaml --vllm-defaults ;;
-  vllm-defaults)  # raw with vLLM's defaults only (warm-up first); then the vlbatch run again
-    step warmup-raw-vllm-defaults 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --limit $WARMUP_PAGES
-    step raw-vllm-defaults 150 $B raw --job /tmp/w1/job.yaml --vllm-defaults
+    raw_vllm_defaults ;;
+  vllm-defaults)  # raw with vLLM's defaults only; then the vlbatch run again
+    raw_vllm_defaults
     step vlbatch-w1-2 170 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   cudagraph)
     warm_up cudagraph /tmp/w1c/job.yaml

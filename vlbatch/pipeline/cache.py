@@ -172,12 +172,10 @@ class FeatureCache(_JsonEntries):
                     batch.append(self._pending.get_nowait())
                 except queue.Empty:
                     break
-            stop = batch[-1] is None  # close() queued the end: write what came before it
-            if stop:
-                batch.pop()
-            if batch:
-                self._write_index(batch)
-            if stop:
+            pages = [page for page in batch if page is not None]  # None: close() ends the queue
+            if pages:
+                self._write_index(pages)
+            if batch[-1] is None:
                 return
 
     def _write_index(self, pages: list[tuple[str, str, str | None]]) -> None:
@@ -193,11 +191,7 @@ class FeatureCache(_JsonEntries):
             for band, new in joining.items():
                 members = self.members(band)
                 known = {h for h, _ in members}
-                added = []
-                for content_hash, phash in new:
-                    if content_hash not in known:
-                        known.add(content_hash)
-                        added.append((content_hash, phash))
+                added = list({h: p for h, p in new if h not in known}.items())  # each page once
                 if added:
                     members = (members + added)[-self.MAX_BAND_MEMBERS:]
                     self._cache.set("band:" + band, json.dumps(
