@@ -128,8 +128,7 @@ def run_raw(args) -> dict:
         probes = [p for _, p in pool.imap(ingest.probe, sources, lambda s: (s.abs_path, r.dpi, None))]
         units = [(s.abs_path, p.kind, pg.page) for s, p in zip(sources, probes) for pg in p.pages]
         units = units[:args.limit] if args.limit else units
-        images = [page.image() for _, page in pool.imap(ingest.render_page, units, lambda u: (
-            *u, r.dpi, r.min_pixels, r.max_pixels, None))]
+        images = [page.image() for _, page in pool.imap(ingest.render, units, lambda u: (*u, r))]
     render_s = time.monotonic() - started
     prompts = PromptBuilder(job.model_path())
     t0 = time.monotonic()
@@ -163,7 +162,7 @@ def run_raw(args) -> dict:
 
 def run_vlbatch(args) -> dict:
     from vlbatch.job import load_job
-    from vlbatch.runner import job_run_for
+    from vlbatch.run import run_job
 
     job = load_job(args.job)
     if args.fresh:  # no answers, pages or index from an earlier run of this job
@@ -181,7 +180,7 @@ def run_vlbatch(args) -> dict:
                   f"pages, {stats.generated} generated, engine start {stats.engine_start_s}",
                   flush=True)
 
-    stats = job_run_for(job, progress=progress, limit=args.limit or None).execute()
+    stats = run_job(job, progress=progress, limit=args.limit or None)
     wall_s = time.monotonic() - started
     run_s = stats.seconds - (stats.engine_start_s or 0)
     return {"mode": f"vlbatch-{job.executor}", "pages": stats.pages_finished,

@@ -26,7 +26,7 @@ from bench_ingest import PeakRss  # noqa: E402
 
 from vlbatch.engine.base import Completion, Request  # noqa: E402
 from vlbatch.job import load_job  # noqa: E402
-from vlbatch.runner import JobRun  # noqa: E402
+from vlbatch.run import run_job  # noqa: E402
 
 
 class InstantEngine:
@@ -63,8 +63,8 @@ def run(n: int, work: Path) -> dict:
     (work / "job.yaml").write_text(yaml.safe_dump(job))
     with PeakRss() as rss:
         started = time.monotonic()
-        stats = JobRun(load_job(work / "job.yaml"), engine_factory=lambda j, p: InstantEngine(),
-                       prompts_factory=lambda j: WordCount()).execute()
+        stats = run_job(load_job(work / "job.yaml"), engine_factory=lambda j, p: InstantEngine(),
+                        prompts_factory=lambda j: WordCount())
         seconds = time.monotonic() - started
     return {"pages": n, "rows_ok": stats.rows_ok, "seconds": round(seconds, 1),
             "pages_per_s": round(n / seconds, 1), "peak_rss_mib": round(rss.peak / 2**20)}

@@ -30,7 +30,7 @@ def vlbatch_run(job: Path, output: Path) -> dict:
     manifest = json.loads(next((output / "_runs").glob("*.json")).read_text())
     s = manifest["summary"]
     return {"wall_s": round(wall, 1), "run_s": s["seconds"], "generated": s["generated"],
-            "cache_hits": s["cache_hits"], "feature_cache_hits": s["feature_cache_hits"],
+            "cache_hits": s["cache_hits"], "pages_from_feature_cache": s["pages_from_feature_cache"],
             "engine_start_s": s["engine_start_s"], "rows_ok": s["rows_ok"], "timings": s["timings"]}
 
 

@@ -80,5 +80,5 @@ def fake_prompts(job):
     return FakePrompts()
 
 
-def engine_that_cannot_start(job):
+def engine_that_cannot_start(job, prompts=None):
     raise RuntimeError("CUDA out of memory while loading the model")

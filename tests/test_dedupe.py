@@ -14,13 +14,15 @@ from PIL import Image
 import bench_dedupe
 from conftest import job_fields
 from fakes import FakeEngine, fake_prompts
-from vlbatch.job import Dedupe, load_job
+from vlbatch.job import Dedupe, Render, load_job
 from vlbatch.pipeline import ingest
 from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.dedupe import Deduper, bands, same_page
-from vlbatch.runner import JobRun
+from vlbatch.pipeline.render import PageSpec, PageStore, render_page
+from vlbatch.run import run_job
 
 FIELDS = ("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 EUR")
+RENDER = Render(dpi=150)  # the default pixel budget
 
 
 def write_invoice(path, fields=FIELDS):
@@ -30,15 +32,15 @@ def write_invoice(path, fields=FIELDS):
 
 def export(pdf_path, out, quality=None):
     """The page as vlbatch renders it, saved as an image file (PNG, or JPEG at `quality`)."""
-    page = ingest.render_page(str(pdf_path), "pdf", 1, 150, 64 * 32 * 32, 1280 * 32 * 32, None)
+    page = ingest.render(str(pdf_path), "pdf", 1, RENDER)
     page.image().save(out, "JPEG" if quality else "PNG", **({"quality": quality} if quality else {}))
     return out
 
 
 def run(job_path, **kwargs):
     engine = FakeEngine()
-    stats = JobRun(load_job(job_path, **kwargs), engine_factory=lambda j, p: engine,
-                   prompts_factory=fake_prompts).execute()
+    stats = run_job(load_job(job_path, **kwargs), engine_factory=lambda j, p: engine,
+                    prompts_factory=fake_prompts)
     return stats, engine
 
 
@@ -59,7 +61,7 @@ def test_copies_merge_same_template_pages_never(write_job, tmp_path):
     write_invoice(docs / "c.pdf", (*FIELDS[:3], "1,204.80 EUR"))  # one amount
     stats, engine = run(write_job(one_task(job_fields("fake-model", ["docs/*"]))))
     df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet").sort("source")
-    assert len(engine.requests) == 3 and stats.near_duplicates == 2
+    assert len(engine.requests) == 3 and stats.near_copies == 2
     origin = dict(zip(df["source"], df["reused_from"]))
     group_a = {origin["docs/a-copy.png"], origin["docs/a-q80.jpg"], origin["docs/a.pdf"]}
     group_b = {origin["docs/b-q80.jpg"], origin["docs/b.pdf"]}
@@ -79,19 +81,19 @@ def test_rerender_at_another_dpi_reuses_the_answer_across_runs(write_job, tmp_pa
     fields["render"]["dpi"] = 100  # another job, same cache: a smaller raster of the page
     fields["output"] = "out100"
     stats, engine = run(write_job(fields))
-    assert len(engine.requests) == 0 and stats.near_duplicates == 1 and stats.cache_hits == 1
+    assert len(engine.requests) == 0 and stats.near_copies == 1 and stats.cache_hits == 1
     df = pl.read_parquet(tmp_path / "out100" / "results" / "*.parquet")
     assert df["cached"].to_list() == [True] and df["reused_from"].to_list() == [None]
     # a changed field at another DPI carries another text layer: generated, not merged
     write_invoice(docs / "a.pdf", (*FIELDS[:3], "9,999.99 EUR"))
     stats, engine = run(write_job(fields))
-    assert len(engine.requests) == 1 and stats.near_duplicates == 0
+    assert len(engine.requests) == 1 and stats.near_copies == 0
 
 
 def test_feature_cache_skips_rendering_and_heals(write_job, tmp_path, samples):
     fields = job_fields("fake-model", [f"{samples}/*"])
     stats, _ = run(write_job(fields))
-    assert stats.feature_cache_hits == 0
+    assert stats.pages_from_feature_cache == 0
     first = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
     with diskcache.Cache(str(tmp_path / "cache" / "features")) as cache:
         images = [k for k in cache.iterkeys() if str(k).startswith("image:")]
@@ -101,7 +103,7 @@ def test_feature_cache_skips_rendering_and_heals(write_job, tmp_path, samples):
     fields["output"] = "out2"
     fields["result_cache"] = False
     stats, engine = run(write_job(fields))
-    assert stats.feature_cache_hits == 6 and stats.cache_corrupt == 1  # one rendered again
+    assert stats.pages_from_feature_cache == 6 and stats.cache_corrupt == 1  # one rendered again
     second = pl.read_parquet(tmp_path / "out2" / "results" / "*.parquet")
     joined = first.join(second, on=["source", "page", "task"])
     assert (joined["content_hash"] == joined["content_hash_right"]).all()
@@ -174,16 +176,20 @@ def test_dedupe_reads_the_index_only_for_earlier_runs(tmp_path):
     a = write_invoice(tmp_path / "a.pdf")
     b = write_invoice(tmp_path / "b.pdf", (FIELDS[0][:-1] + "1", *FIELDS[1:]))
     near_a = export(a, tmp_path / "a-q80.jpg", quality=80)
-    pages = {name: ingest.render_page(str(path), kind, 1, 150, 64 * 32 * 32, 1280 * 32 * 32, None,
-                                      str(tmp_path / "cache"), name)  # as a render worker does
+    PageStore.open(str(tmp_path / "cache"), 1.0)  # as a render worker does
+    pages = {name: render_page(PageSpec(str(path), kind, 1, name), RENDER)
              for name, path, kind in (("a", a, "pdf"), ("b", b, "pdf"), ("near_a", near_a, "image"))}
+    PageStore.close()
+    relations = []
 
     def canonical(deduper, name):
         page = pages[name]
-        return deduper.canonical(page.content_hash, page.phash, page.image(), page.text_layer)
+        found, relation = deduper.match(page.content_hash, page.phash, page.image(),
+                                        page.text_layer)
+        relations.append(relation)
+        return found
 
     # a fresh cache: nothing of earlier runs to search, yet this run's copies merge
-    ingest._feature_caches.pop(str(tmp_path / "cache")).close()
     index = CountingFeatureCache(tmp_path / "cache")
     index.empty_at_open = True  # as when the run opened it, before its workers wrote pages
     first = Deduper(Dedupe(), index=index)
@@ -200,7 +206,7 @@ def test_dedupe_reads_the_index_only_for_earlier_runs(tmp_path):
     assert canonical(second, "b") == pages["b"].content_hash
     assert (index.band_reads, index.phash_reads) == (0, 1)
     assert canonical(second, "near_a") == pages["a"].content_hash
-    assert index.band_reads == 16 and index.phash_reads == 2 and second.near_merged == 1
+    assert index.band_reads == 16 and index.phash_reads == 2 and relations[-1] == "near"
     canonical(second, "near_a")  # the same bands again: read once per run
     assert index.band_reads == 16
     index.close()
@@ -209,19 +215,18 @@ def test_dedupe_reads_the_index_only_for_earlier_runs(tmp_path):
 def test_band_entries_of_older_versions_still_match(tmp_path):
     """Band entries once held content hashes only; their perceptual hashes are read."""
     a = write_invoice(tmp_path / "a.pdf")
-    page = ingest.render_page(str(a), "pdf", 1, 150, 64 * 32 * 32, 1280 * 32 * 32, None,
-                              str(tmp_path / "cache"), "a")
-    near = ingest.render_page(str(export(a, tmp_path / "a.jpg", quality=80)), "image", 1, 150,
-                              64 * 32 * 32, 1280 * 32 * 32, None)
-    ingest._feature_caches.pop(str(tmp_path / "cache")).close()
+    PageStore.open(str(tmp_path / "cache"), 1.0)  # as a render worker does
+    page = render_page(PageSpec(str(a), "pdf", 1, "a"), RENDER)
+    PageStore.close()
+    near = ingest.render(str(export(a, tmp_path / "a.jpg", quality=80)), "image", 1, RENDER)
     index = FeatureCache(tmp_path / "cache", index_in_background=False)
-    Deduper(Dedupe(), index=index).canonical(page.content_hash, page.phash, page.image())
+    Deduper(Dedupe(), index=index).match(page.content_hash, page.phash, page.image())
     for band in bands(page.phash):  # rewrite as an older version wrote them
         index._cache.set("band:" + band, json.dumps([page.content_hash]).encode())
     index.close()
     index = CountingFeatureCache(tmp_path / "cache")
     deduper = Deduper(Dedupe(), index=index)
-    assert deduper.canonical(near.content_hash, near.phash, near.image()) == page.content_hash
+    assert deduper.match(near.content_hash, near.phash, near.image()) == (page.content_hash, "near")
     assert index.phash_reads == 2  # its own (not seen before), then the candidate's
     index.close()
 
@@ -243,16 +248,17 @@ def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
             return {k: cache[k] for k in cache.iterkeys() if not k.startswith("image:")}
 
     alone = FeatureCache(tmp_path / "alone", index_in_background=False)
-    for page in pages:
-        alone.add(*page)
+    for content_hash, phash, text in pages:
+        alone.add(content_hash, phash, bands(phash), text)
     alone.close()
 
     batched = FeatureCache(tmp_path / "batched")
     transactions = []
     write_index = batched._write_index
     batched._write_index = lambda items: (transactions.append(len(items)), write_index(items))
-    for page in pages + [None]:
-        batched._pending.put(page)
+    for content_hash, phash, text in pages:
+        batched._pending.put((content_hash, phash, tuple(bands(phash)), text))
+    batched._pending.put(None)
     batched._write_loop()  # the writer thread's loop, run here over a full queue
     batched.close()
 

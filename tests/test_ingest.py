@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 import oddfiles
+from vlbatch.job import Render
 from vlbatch.pipeline import imaging, ingest
 
 MIN, MAX = 4 * 32 * 32, 128 * 32 * 32
@@ -13,7 +14,8 @@ MIN, MAX = 4 * 32 * 32, 128 * 32 * 32
 
 def render(path, page=1, dpi=72, password=None, max_pixels=MAX):
     kind = ingest.file_kind(str(path))
-    return ingest.render_page(str(path), kind, page, dpi, MIN, max_pixels, password)
+    settings = Render(dpi=dpi, min_pixels=MIN, max_pixels=max_pixels, pdf_password=password)
+    return ingest.render(str(path), kind, page, settings)
 
 
 def test_pdf_pages_sizes_and_text_layer(tmp_path):
@@ -53,17 +55,20 @@ def test_broken_files_give_a_reason(tmp_path, make, reason):
     assert reason in probe.error and probe.pages == []
 
 
-def test_truncated_pdf_repaired_or_reported(tmp_path):
-    """What MuPDF can repair is processed; what it cannot gets its reason."""
-    path = oddfiles.truncated_pdf(tmp_path / "t.pdf")
+def test_pdf_without_its_xref_table_is_repaired(tmp_path):
+    """MuPDF rebuilds a PDF cut short just before its xref table: every page renders."""
+    whole = oddfiles.pdf(tmp_path / "whole.pdf", pages=2).read_bytes()
+    path = tmp_path / "cut.pdf"
+    path.write_bytes(whole[:whole.rindex(b"xref")])
     probe = ingest.probe(str(path), 72, None)
-    if probe.error is not None:
-        assert "cannot open PDF" in probe.error or "no pages" in probe.error
-    for page in probe.pages:
-        try:
-            assert render(path, page.page).width > 0
-        except Exception as e:  # a page MuPDF cannot render raises, the worker reports it
-            assert str(e)
+    assert probe.error is None and [p.page for p in probe.pages] == [1, 2]
+    assert "Hello page 2" in render(path, 2).text_layer
+
+
+def test_truncated_pdf_is_reported(tmp_path):
+    """A PDF cut to a third of its bytes cannot be opened: the reason says so."""
+    probe = ingest.probe(str(oddfiles.truncated_pdf(tmp_path / "t.pdf")), 72, None)
+    assert probe.pages == [] and probe.error.startswith("cannot open PDF")
 
 
 def test_zero_page_pdf_is_an_error(tmp_path):
@@ -80,12 +85,14 @@ def test_encrypted_pdf_with_and_without_password(tmp_path):
     assert "Hello page 1" in render(path, 1, password="s3cret").text_layer
 
 
-def test_truncated_png_fails_at_render(tmp_path):
+def test_truncated_png_is_reported_and_fails_to_render(tmp_path):
+    """Cut in half: the probe already says so (reading its metadata hits the cut), and a
+    render of it raises with the same reason."""
     path = oddfiles.truncated_png(tmp_path / "t.png")
     probe = ingest.probe(str(path), 72, None)
-    if probe.error is None:
-        with pytest.raises(Exception):
-            render(path)
+    assert probe.pages == [] and "image file is truncated" in probe.error
+    with pytest.raises(OSError, match="truncated"):
+        render(path)
 
 
 def test_cmyk_becomes_rgb(tmp_path):
@@ -134,9 +141,24 @@ def test_smart_resize_matches_qwen_rules():
         imaging.smart_resize(10, 5000, MIN, MAX)
 
 
-def test_content_hash_exact_and_phash_near():
-    a = Image.new("RGB", (64, 64), "white")
+def test_content_hash_exact_and_phash_near(tmp_path):
+    """One changed pixel changes the content hash; the perceptual hash barely moves for
+    it and for a JPEG re-encoding, and moves far for another page."""
+    import io
+
+    from vlbatch.pipeline.dedupe import hamming
+
+    a = render(oddfiles.pdf(tmp_path / "a.pdf", pages=1)).image()
     b = a.copy()
     b.putpixel((3, 3), (0, 0, 0))
     assert imaging.content_hash(a) == imaging.content_hash(a.copy())
     assert imaging.content_hash(a) != imaging.content_hash(b)
+    buf = io.BytesIO()
+    a.save(buf, "JPEG", quality=70)
+    jpeg = Image.open(buf).convert("RGB")
+    other = render(oddfiles.cmyk_jpeg(tmp_path / "c.jpg")).image()
+    ph = {name: imaging.perceptual_hash(im) for name, im in
+          (("a", a), ("b", b), ("jpeg", jpeg), ("other", other))}
+    assert all(len(h) == 64 for h in ph.values())  # 256 bits, hex
+    assert hamming(ph["a"], ph["b"]) <= 4 and hamming(ph["a"], ph["jpeg"]) <= 12
+    assert hamming(ph["a"], ph["other"]) > 60

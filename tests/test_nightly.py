@@ -17,7 +17,7 @@ import oddfiles
 from conftest import ROOT, job_fields, run_cli
 from fakes import FakeEngine, fake_prompts
 from vlbatch.job import load_job
-from vlbatch.runner import JobRun
+from vlbatch.run import run_job
 
 KEY = ["source", "page", "task"]
 
@@ -53,7 +53,7 @@ def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
     summary = manifest["summary"]
     assert summary["pages_already_done"] >= first.height // 2 - 1
     # answers finished but not yet written when killed come from the result cache
-    assert summary["generated"] + summary["cache_hits"] + summary["duplicates_merged"] == second.height
+    assert summary["generated"] + summary["cache_hits"] + summary["copied"] == second.height
 
 
 def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
@@ -65,7 +65,7 @@ def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
 
     def run() -> FakeEngine:
         engine = FakeEngine()
-        JobRun(load_job(job), engine_factory=lambda j, p: engine, prompts_factory=fake_prompts).execute()
+        run_job(load_job(job), engine_factory=lambda j, p: engine, prompts_factory=fake_prompts)
         return engine
 
     assert len(run().requests) == 12
@@ -88,8 +88,8 @@ def test_readme_queries_as_written(samples, write_job, tmp_path, monkeypatch):
         fields = job_fields("fake-model", [f"{samples}/*"], output="out/demo")
         fields["tasks"][0]["prompt"] = prompt
         job = write_job(fields)
-        JobRun(load_job(job), engine_factory=lambda j, p: FakeEngine(),
-               prompts_factory=fake_prompts).execute()
+        run_job(load_job(job), engine_factory=lambda j, p: FakeEngine(),
+                prompts_factory=fake_prompts)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(readme_block("python", "scan_parquet"), scope)

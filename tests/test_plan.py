@@ -11,20 +11,35 @@ TASKS = [Task(name="short", prompt="Hi."), Task(name="long", prompt="Please desc
 
 def unit(order: int, w: int, h: int) -> PageUnit:
     return PageUnit(order, Source(f"f{order}.png", f"/f{order}.png", 1, "sha"), "image", 1, w, h,
-                    tasks=list(TASKS))
+                    tasks=tuple(TASKS))
 
 
 def test_longest_first_ties_in_input_order_tasks_adjacent():
     units = [unit(0, 300, 300), unit(1, 1240, 1754), unit(2, 300, 300), unit(3, 900, 900)]
     ordered = order_for_generation(units, lambda text: len(text.split()), 64 * 1024, 1280 * 1024)
+    assert [t.name for t in units[0].tasks] == ["short", "long"] and units[0].est_tokens == 0
     assert [u.order for u in ordered] == [1, 3, 0, 2]
     assert all([t.name for t in u.tasks] == ["long", "short"] for u in ordered)
     tokens = [u.est_tokens for u in ordered]
     assert tokens == sorted(tokens, reverse=True) and tokens[0] == (960 // 32) * (1344 // 32) + 40
 
 
-def test_select_todo_drops_finished_and_limits():
-    units = [unit(i, 300, 300) for i in range(5)]
+def test_select_todo_drops_finished_tasks_and_pages():
+    units = [unit(i, 300, 300) for i in range(3)]
     done = {(0, "short"), (0, "long"), (1, "short")}
-    todo = select_todo(units, TASKS, lambda u, t: (u.order, t.name) in done, limit=3)
+    todo = select_todo(units, TASKS, lambda u, t: (u.order, t.name) in done)
     assert [(u.order, [t.name for t in u.tasks]) for u in todo] == [(1, ["long"]), (2, ["short", "long"])]
+    assert all(len(u.tasks) == 2 for u in units)  # the plan's units are left as they were
+
+
+def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
+    from vlbatch.job import Job
+    from vlbatch.pipeline.ingest import PageSize, Probe
+    from vlbatch.pipeline.scope import make_plan
+
+    job = Job(name="t", inputs=["*"], output=tmp_path, model="m", tasks=list(TASKS))
+    sources = tuple(Source(f"f{i}.png", f"/f{i}.png", 1, f"sha{i}") for i in range(4))
+    probes = [Probe("image", [PageSize(1, 300, 300)]) for _ in sources]
+    done = {("f0.png", 1, t.name, "sha0", t.fingerprint()) for t in TASKS}
+    plan = make_plan(job, sources, probes, done, limit=3)
+    assert plan.pages_in_scope == 3 and [u.source.path for u in plan.todo] == ["f1.png", "f2.png"]

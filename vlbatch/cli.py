@@ -68,16 +68,18 @@ def run(
     _setup_logging(debug)
     from vlbatch.job import load_job
     from vlbatch.report import ProgressReporter, summary_table
-    from vlbatch.runner import job_run_for
+    from vlbatch.run import run_job
 
     try:
         job = load_job(job_file, output=output, cache=cache_dir)
         with ProgressReporter(err_console) as progress:
-            job_run = job_run_for(job, limit=limit, retry_errors=retry_errors, progress=progress)
+            started: list = []  # the run's stats, once it has them
             try:
-                stats = job_run.execute()
+                stats = run_job(job, limit=limit, retry_errors=retry_errors, progress=progress,
+                                on_start=started.append)
             finally:
-                progress(job_run.stats, force=True)
+                if started:
+                    progress(started[0], force=True)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI is where errors end
         _fail(e, debug)
         return

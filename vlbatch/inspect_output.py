@@ -34,7 +34,7 @@ def inspect_output(root: Path) -> dict:
         runs.append({"run_id": manifest.get("run_id"), "status": manifest.get("status"),
                      "finished_at": manifest.get("finished_at"), "pages": s.get("pages_finished"),
                      "generated": s.get("generated"), "cache_hits": s.get("cache_hits"),
-                     "duplicates_merged": s.get("duplicates_merged"), "rows_ok": s.get("rows_ok"),
+                     "copied": s.get("copied"), "rows_ok": s.get("rows_ok"),
                      "rows_error": s.get("rows_error"), "seconds": s.get("seconds"),
                      "pages_per_s": s.get("pages_per_s")})
     report: dict = {"output": str(root), "runs": runs, "rows_written": 0, "current": {},

@@ -34,7 +34,8 @@ class Task(_Strict):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    ignore_eos: bool = False  # benchmarks force a fixed output length with it
+    ignore_eos: bool = Field(default=False, description="Generate max_tokens whatever the "
+                             "model says (benchmarks force a fixed output length with it).")
 
     def render_prompt(self, **values: object) -> str:
         """Substitute the known {placeholders} by name; leave every other brace as it is."""
@@ -43,9 +44,6 @@ class Task(_Strict):
             if key in values:
                 text = text.replace("{" + key + "}", str(values[key]))
         return text
-
-    def uses(self, placeholder: str) -> bool:
-        return "{" + placeholder + "}" in self.prompt
 
     def fingerprint(self) -> str:
         """Hash of everything that changes this task's answers (prompt and sampling)."""
@@ -61,12 +59,18 @@ def _task_fingerprint(task: Task) -> str:
 class Render(_Strict):
     """How pages become images: PDF DPI and the model's pixel budget (Qwen3-VL smart resize)."""
 
-    dpi: int = Field(default=150, ge=18, le=1200)
-    min_pixels: int = Field(default=64 * 32 * 32, ge=32 * 32)
-    max_pixels: int = Field(default=1280 * 32 * 32, ge=32 * 32)
-    workers: int = Field(default=0, ge=0)  # 0: one per CPU core
-    page_timeout_s: float = Field(default=120.0, gt=0)  # a page taking longer: error row
-    file_timeout_s: float = Field(default=900.0, gt=0)  # render time a file may use in all
+    dpi: int = Field(default=150, ge=18, le=1200, description="PDF render DPI (lowered for "
+                     "pages larger than the pixel budget).")
+    min_pixels: int = Field(default=64 * 32 * 32, ge=32 * 32, description="The model's pixel "
+                            "budget, lower bound (Qwen3-VL: one image token per 32x32 pixels).")
+    max_pixels: int = Field(default=1280 * 32 * 32, ge=32 * 32,
+                            description="The model's pixel budget, upper bound.")
+    workers: int = Field(default=0, ge=0, description="Render processes; 0: one per CPU core.")
+    page_timeout_s: float = Field(default=120.0, gt=0, description="A page whose rendering "
+                                  "takes longer gets an error row 'timeout'.")
+    file_timeout_s: float = Field(default=900.0, gt=0, description="Render seconds a file may "
+                                  "use in all, counted in plan order; its later pages get "
+                                  "error rows 'timeout'.")
     pdf_password: str | None = None
 
     @model_validator(mode="after")
@@ -79,19 +83,22 @@ class Render(_Strict):
 class Dedupe(_Strict):
     """Near-duplicate merging: candidates by perceptual hash, then a pixel-level check."""
 
-    near_duplicates: bool = True  # exact copies (same pixels) always merge
-    max_phash_distance: int = Field(default=24, ge=0, le=256)  # of 256 bits
-    # the pixel check (pipeline/dedupe.py): the largest block difference (0-255) and how far
-    # it may stand out above the 20th largest (a local change of content), for the same
-    # raster (JPEG, noise) and for re-renders that carry the same text layer
-    max_block_diff: float = Field(default=11.0, ge=0.0, le=255.0)
-    max_peak_ratio: float = Field(default=2.0, ge=1.0)
-    rerender_max_block_diff: float = Field(default=45.0, ge=0.0, le=255.0)
-    rerender_max_peak_ratio: float = Field(default=3.5, ge=1.0)
+    near_duplicates: bool = Field(default=True, description="Merge confirmed near-copies; "
+                                  "exact copies (same pixels) always merge.")
+    max_phash_distance: int = Field(default=24, ge=0, le=256, description="Candidates: "
+                                    "perceptual-hash distance, of 256 bits.")
+    max_block_diff: float = Field(default=11.0, ge=0.0, le=255.0, description="Pixel check, "
+                                  "same raster (JPEG, noise): the largest 8x8 block difference.")
+    max_peak_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check, same raster: "
+                                  "how far the largest block may stand out above the 20th.")
+    rerender_max_block_diff: float = Field(default=45.0, ge=0.0, le=255.0, description="Pixel "
+                                           "check for re-renders carrying the same text layer.")
+    rerender_max_peak_ratio: float = Field(default=3.5, ge=1.0, description="Pixel check for "
+                                           "re-renders: peak over the 20th largest block.")
 
 
-class Engine(_Strict):
-    """vLLM engine settings (None: vLLM's own default)."""
+class EngineSettings(_Strict):
+    """The job's `engine:` section: vLLM engine settings (None: vLLM's own default)."""
 
     max_model_len: int | None = Field(default=None, ge=64)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
@@ -99,37 +106,38 @@ class Engine(_Strict):
     max_num_batched_tokens: int | None = Field(default=None, ge=64)
     dtype: str = "auto"
     tensor_parallel_size: int = Field(default=1, ge=1)
-    load_format: str = "auto"  # "dummy": the real architecture with random weights
+    load_format: str = Field(default="auto", description="'dummy': the real architecture with "
+                             "random weights (benchmarks).")
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     seed: int = 0
-    # requests handed to vLLM at once: enough to fill the KV cache (H200, 30B-A3B: ~450 W1
-    # requests resident), bounded so host memory stays flat
-    max_in_flight: int = Field(default=512, ge=1)
-    cpu_kv_cache_gib: float = Field(default=2.0, gt=0)  # CPU build only
-    # torch.compile the vision encoder too (vLLM option; no effect with enforce_eager); +11% on
-    # prefill (shared/DESIGN.md); on W1 end to end within noise (H200, docs/benchmarks.md)
-    compile_mm_encoder: bool = True
-    # CUDA graphs of the vision encoder (vLLM option, GPU only): on W1 no faster (H200, 2026-12-03:
-    # raw 10.24 vs 10.48 pages/s; docs/benchmarks.md) and 1 GiB less KV cache, so off
-    cudagraph_mm_encoder: bool = False
-    compile_cache_dir: Path | None = None  # vLLM's cache root (compiled graphs); None: ~/.cache/vllm
+    max_in_flight: int = Field(default=512, ge=1, description="Requests handed to vLLM at once: "
+                               "enough to fill its KV cache, bounded so host memory stays flat.")
+    cpu_kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache of the CPU build.")
+    compile_mm_encoder: bool = Field(default=True, description="torch.compile the vision "
+                                     "encoder too (no effect with enforce_eager).")
+    cudagraph_mm_encoder: bool = Field(default=False, description="CUDA graphs of the vision "
+                                       "encoder (GPU only; costs GPU memory, see "
+                                       "docs/benchmarks.md).")
+    compile_cache_dir: Path | None = Field(default=None, description="vLLM's cache root "
+                                           "(compiled graphs); None: ~/.cache/vllm.")
     trust_remote_code: bool = False
 
 
-class Ray(_Strict):
-    """Where and how `executor: ray` runs (see README, "Several GPUs or machines: Ray")."""
+class RaySettings(_Strict):
+    """The job's `ray:` section: where and how `executor: ray` runs (README, "Ray")."""
 
-    address: str | None = None  # None: a local Ray cluster on this machine; "auto": join the
-    # cluster this machine belongs to; "ray://head:10001": a remote cluster's client port
-    workers: int = Field(default=1, ge=1)  # vLLM actors, each loading the model once
-    gpus_per_worker: float | None = Field(default=None, ge=0)  # None: the engine's
-    # tensor_parallel_size when the cluster has GPUs, else 0 (the CPU build)
-    render_workers: int = Field(default=0, ge=0)  # render actors at most; 0: the cluster's CPUs
-    pages_per_batch: int = Field(default=32, ge=1)  # pages per Ray Data block
-    batches_per_worker: int = Field(default=16, ge=1)  # blocks a vLLM actor works on at once,
-    # so its engine is fed the next blocks' pages while the last ones finish: 32 x 16 = 512
-    # pages in flight per engine, as engine.max_in_flight in a local run
+    address: str | None = Field(default=None, description="None: a new local Ray cluster on "
+                                "this machine; 'auto': the cluster this machine belongs to; "
+                                "'ray://head:10001': a remote cluster's client port.")
+    workers: int = Field(default=1, ge=1, description="vLLM actors, each loading the model once.")
+    gpus_per_worker: float | None = Field(default=None, ge=0, description="None: the engine's "
+                                          "tensor_parallel_size when the cluster has GPUs, else 0.")
+    render_workers: int = Field(default=0, ge=0, description="Render actors at most; 0: the "
+                                "cluster's CPUs less one.")
+    pages_per_batch: int = Field(default=32, ge=1, description="Pages per Ray Data block.")
+    batches_per_worker: int = Field(default=16, ge=1, description="Blocks a vLLM actor works on "
+                                    "at once, so its engine is never drained between blocks.")
 
 
 class Job(_Strict):
@@ -140,17 +148,22 @@ class Job(_Strict):
     model: str = Field(min_length=1)
     tasks: list[Task] = Field(min_length=1)
     render: Render = Render()
-    engine: Engine = Engine()
+    engine: EngineSettings = EngineSettings()
     dedupe: Dedupe = Dedupe()
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)
-    part_rows: int = Field(default=1000, ge=1)  # a results part is written every N rows...
-    part_seconds: float = Field(default=30.0, gt=0)  # ...or every N seconds: the resume point
-    result_cache: bool = True  # answers outlive the run in the cache folder
-    feature_cache: bool = True  # rendered pages too: a later run skips rendering
-    cache_size_gib: float = Field(default=20.0, gt=0)  # per cache (results, features); LRU eviction
-    cache_namespace: str = Field(default="default", min_length=1)  # tenants never share answers
-    executor: Literal["local", "ray"] = "local"  # ray: render and generate on a Ray cluster
-    ray: Ray = Ray()
+    part_rows: int = Field(default=1000, ge=1, description="A results part is written every "
+                           "part_rows rows or part_seconds: the point a killed run resumes from.")
+    part_seconds: float = Field(default=30.0, gt=0)
+    result_cache: bool = Field(default=True, description="Answers outlive the run in the cache.")
+    feature_cache: bool = Field(default=True, description="Rendered pages outlive the run too: "
+                                "a later run skips rendering.")
+    cache_size_gib: float = Field(default=20.0, gt=0, description="Per cache (results, "
+                                  "features); least recently used entries are evicted.")
+    cache_namespace: str = Field(default="default", min_length=1,
+                                 description="Tenants sharing a cache folder never share answers.")
+    executor: Literal["local", "ray"] = Field(default="local", description="ray: render and "
+                                              "generate on a Ray cluster.")
+    ray: RaySettings = RaySettings()
     base_dir: Path = Field(default=Path("."), exclude=True)  # the job file's folder
 
     @field_validator("tasks")

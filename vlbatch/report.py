@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from vlbatch.runner import RunStats
+from vlbatch.pipeline.sink import RunStats
 
 log = logging.getLogger("vlbatch")
 
@@ -49,7 +49,7 @@ class ProgressReporter:
         elapsed = max(now - self.started, 1e-9)
         detail = (f"{s.pages_finished / elapsed:.2f} pages/s  {s.output_tokens / elapsed:.0f} tok/s  "
                   f"requests {s.requests_finished}/{s.requests_total}  cache hits {s.cache_hits}  "
-                  f"dupes {s.duplicates_merged}  errors {s.rows_error}")
+                  f"copies {s.copied}  errors {s.rows_error}")
         if self._progress is not None:
             self._progress.update(self._task, total=s.pages_todo, completed=s.pages_finished,
                                   detail=detail)
@@ -65,9 +65,11 @@ def summary_table(s: RunStats) -> Table:
         ("sources", s.sources), ("pages in scope", s.pages_total),
         ("pages already done", s.pages_already_done), ("pages processed", s.pages_finished),
         ("requests", s.requests_total), ("generated", s.generated),
-        ("cache hits", s.cache_hits), ("duplicates merged", s.duplicates_merged),
-        ("near-duplicate pages", s.near_duplicates),
-        ("pages from feature cache", s.feature_cache_hits),
+        ("rejected by the engine", s.rejected), ("failed in the engine", s.failed),
+        ("copies (answers shared in this run)", s.copied),
+        ("cache hits (answers from earlier runs)", s.cache_hits),
+        ("exact-copy pages", s.exact_copies), ("near-copy pages", s.near_copies),
+        ("pages from feature cache", s.pages_from_feature_cache),
         ("rows ok", s.rows_ok), ("rows error", s.rows_error),
         ("pages with errors", s.pages_with_errors), ("output tokens", s.output_tokens),
         ("engine start (s)", "-" if s.engine_start_s is None else f"{s.engine_start_s:.1f}"),

@@ -30,13 +30,14 @@ class Completion:
     error: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    rejected: bool = False  # the engine refused the request (error set): never generated
 
 
-class Engine(Protocol):
+class GenerationEngine(Protocol):
     def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
         """Consume `feed` (None: nothing ready yet, keep the engine stepping) with a bounded
         number of requests in flight; yield each completion as soon as it finishes. A request
-        the engine rejects comes back as a completion with `error` set."""
+        the engine rejects comes back as a completion with `error` and `rejected` set."""
         ...
 
     def close(self) -> None: ...

@@ -118,7 +118,8 @@ class VllmEngine:
                         self._add(engine, request)
                         in_flight.add(request.request_id)
                     except Exception as e:  # over-long prompt, bad image, ...
-                        yield Completion(request.request_id, None, f"request rejected: {e}")
+                        yield Completion(request.request_id, None, f"request rejected: {e}",
+                                         rejected=True)
             if not in_flight:
                 if exhausted:
                     return
@@ -147,3 +148,9 @@ class VllmEngine:
             if callable(shutdown):
                 shutdown()
             self.llm = None
+
+
+def start_vllm_engine(job: Job, prompts=None) -> VllmEngine:
+    """The default engine factory: vLLM; `prompts` is the PromptBuilder (or its Future),
+    None where the engine loads its own (a Ray actor)."""
+    return VllmEngine(job, prompts)

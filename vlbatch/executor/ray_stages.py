@@ -1,6 +1,8 @@
-"""The stages of `executor: ray`, as Ray Data `map_batches` callables (each runs in an actor
-of its own pool): render pages, plan them (dedupe and result cache, one actor, in plan
-order), generate with vLLM (one long-lived actor per GPU or tensor-parallel group).
+"""The stages of `executor: ray`, as Ray Data `map_batches` callables, each in an actor of its
+own pool: render pages (pipeline.render), route them (pipeline.route: one actor, in plan
+order), generate (one long-lived vLLM actor per GPU or tensor-parallel group, fed through
+engine.loop.EngineLoop). They call the same stage code a local run does; what is here is
+only the transport: pages and decisions as pyarrow rows.
 
 Blocks are pyarrow tables, one row per page; a page's tasks travel together in its row (as
 JSON) so its image crosses the cluster once and its requests reach vLLM together. Nothing
@@ -10,26 +12,27 @@ here imports Ray: the classes are plain Python, so they are tested and reused wi
 from __future__ import annotations
 
 import json
-import queue
-import threading
 import time
 import uuid
-from concurrent.futures import Future
 
 import pyarrow as pa
-from PIL import Image
 
 from vlbatch.engine.base import Completion, Request
+from vlbatch.engine.loop import EngineLoop
 from vlbatch.job import Job
-from vlbatch.pipeline import ingest
-from vlbatch.pipeline.cache import prompt_and_key
+from vlbatch.pipeline.ingest import RenderedPage
+from vlbatch.pipeline.render import FileTimeBudget, PageSpec, RenderFailure, render_in_order, render_pool
+from vlbatch.pipeline.route import RoutedPage, TaskRoute
 
 PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "order": pa.int64(), "source": pa.string(), "page": pa.int32(), "error": pa.string(),
-    "row_error": pa.string(), "width": pa.int32(), "height": pa.int32(), "rgb": pa.binary(),
-    "text_layer": pa.string(), "content_hash": pa.string(), "phash": pa.string(),
-    "from_cache": pa.bool_(), "healed": pa.bool_(), "tasks": pa.string(),
+    "row_error": pa.string(), "cost_s": pa.float64(), "width": pa.int32(),
+    "height": pa.int32(), "rgb": pa.binary(), "text_layer": pa.string(),
+    "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
+    "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
 }
+ROUTED_COLUMNS = {"routes": pa.string()}
+ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64()}
 
 
 def job_to_dict(job: Job) -> dict:
@@ -37,164 +40,127 @@ def job_to_dict(job: Job) -> dict:
     return {**job.model_dump(mode="json"), "base_dir": str(job.base_dir)}
 
 
-def _table(rows: list[dict], extra: dict | None = None) -> pa.Table:
-    columns = {**PAGE_COLUMNS, **(extra or {})}
+def _table(rows: list[dict], *extra: dict) -> pa.Table:
+    columns = {**PAGE_COLUMNS}
+    for more in extra:
+        columns.update(more)
     schema = pa.schema(list(columns.items()))
     return pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows], schema=schema)
+
+
+# ----- a page's render outcome as row columns, and back -----
+def outcome_columns(outcome: RenderedPage | RenderFailure) -> dict:
+    if isinstance(outcome, RenderFailure):
+        return {"error": outcome.page_error, "row_error": outcome.row_error,
+                "cost_s": outcome.cost_s}
+    return {"error": None, "row_error": None, "width": outcome.width, "height": outcome.height,
+            "rgb": outcome.rgb, "text_layer": outcome.text_layer,
+            "content_hash": outcome.content_hash, "phash": outcome.phash,
+            "from_cache": outcome.from_cache, "healed": outcome.healed,
+            "render_s": outcome.render_s}
+
+
+def outcome_of(row: dict) -> RenderedPage | RenderFailure:
+    if row["error"] is not None:
+        return RenderFailure(row["error"], row["row_error"] or row["error"], row["cost_s"] or 0.0)
+    return RenderedPage(row["width"], row["height"], row["rgb"] or b"", row["text_layer"],
+                        row["content_hash"], row["phash"], bool(row["from_cache"]),
+                        row["render_s"] or 0.0, bool(row["healed"]))
+
+
+# ----- a routed page (with the answers generated for it) as JSON, and back -----
+def routes_json(routed: RoutedPage) -> str:
+    tasks = []
+    for r in routed.tasks:
+        entry = {"task": r.task.name, "key": r.key, "action": r.action, "prompt": r.prompt,
+                 "origin": r.origin}
+        if r.answer is not None:
+            entry["answer"] = answer_json(r.answer)
+        tasks.append(entry)
+    return json.dumps({"canonical": routed.canonical, "relation": routed.relation,
+                       "tasks": tasks})
+
+
+def answer_json(done: Completion) -> dict:
+    return {"text": done.text, "error": done.error, "rejected": done.rejected,
+            "prompt_tokens": done.prompt_tokens, "output_tokens": done.output_tokens}
+
+
+def answer_of(key: str, entry: dict) -> Completion:
+    return Completion(key, entry["text"], entry["error"], entry["prompt_tokens"],
+                      entry["output_tokens"], entry["rejected"])
+
+
+def routed_of(text: str, job: Job) -> RoutedPage:
+    data, tasks = json.loads(text), {t.name: t for t in job.tasks}
+    routes = tuple(TaskRoute(tasks[t["task"]], t["key"], t["action"], t.get("prompt"),
+                             answer_of(t["key"], t["answer"]) if "answer" in t else None,
+                             t.get("origin")) for t in data["tasks"])
+    return RoutedPage(data["canonical"], data["relation"], routes)
 
 
 class RenderPages:
     """Renders and hashes pages (through the feature cache, as a local run does) in one
     worker process of its own, so a page that hangs or crashes a native library becomes
-    an error row, never a lost block. A file's render time limit (render.file_timeout_s)
-    counts the time this actor spent on the file."""
+    an error row, never a lost block. Pages of a file that this actor has seen use up its
+    time budget are not rendered (the route actor decides their rows, in plan order)."""
 
     def __init__(self, job: dict):
-        from vlbatch.pipeline.workers import WorkerPool
-
         self.job = Job.model_validate(job)
-        self.pool = WorkerPool(1, self.job.render.page_timeout_s, lookahead=2)
-        self.budget = ingest.FileTimeBudget(self.job.render.file_timeout_s,
-                                            self.job.render.page_timeout_s)
+        self.pool = render_pool(self.job, 1, lookahead=2)
+        self.skip = FileTimeBudget(self.job.render.file_timeout_s)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        r, job = self.job.render, self.job
-        cache_dir = str(job.cache) if job.feature_cache else None
         rows = batch.to_pylist()
-        args = lambda row: (row["path"], row["kind"], row["page"], r.dpi, r.min_pixels,  # noqa: E731
-                            r.max_pixels, r.pdf_password, cache_dir, row["page_key"])
-
-        def within_time_limit():
-            for row in rows:
-                if self.budget.used_up(row["path"]):
-                    row.update(error=self.budget.reason, row_error=self.budget.reason)
-                else:
-                    yield row
-
-        for row, page in self.pool.imap(ingest.render_page, within_time_limit(), args):
-            self.budget.charge(row["path"], page)
-            if isinstance(page, Exception):
-                page_error, row_error = ingest.failure_reasons(page)
-                row.update(error=page_error, row_error=row_error)
-                continue
-            row.update(width=page.width, height=page.height, rgb=page.rgb,
-                       text_layer=page.text_layer, content_hash=page.content_hash,
-                       phash=page.phash, from_cache=page.from_cache, healed=page.healed)
+        spec = lambda row: PageSpec(row["path"], row["kind"], row["page"], row["page_key"])  # noqa: E731
+        for row, outcome in render_in_order(self.pool, rows, spec, self.job.render, self.skip,
+                                            lambda row: row["source"]):
+            row.update(outcome_columns(outcome))
         return _table(rows)
 
 
-class PlanPages:
-    """Decides, page by page in plan order (one actor), what each task needs: the same
-    decisions a local run makes. A page is mapped to its canonical page (dedupe, with the
-    feature cache's index of earlier runs); a request already sent in this run is a copy of
-    it, one in the result cache is answered from there, anything else is generated."""
+class RoutePages:
+    """One actor, pages in plan order: the Router's decisions (file time budget, dedupe
+    with the feature cache's index, copies, result-cache answers, requests to generate)."""
 
     def __init__(self, job: dict):
         from vlbatch.pipeline.cache import FeatureCache, ResultCache
         from vlbatch.pipeline.dedupe import Deduper
+        from vlbatch.pipeline.route import Router
 
         self.job = job = Job.model_validate(job)
         self.tasks = {t.name: t for t in job.tasks}
-        # indexed at once: this actor is not the one feeding an engine, and may be stopped
-        # as soon as the last block has passed
-        self.features = (FeatureCache(job.cache, job.cache_size_gib, index_in_background=False)
-                         if job.feature_cache else None)
-        self.deduper = Deduper(job.dedupe, index=self.features)
-        self.results = ResultCache(job.cache, job.cache_size_gib) if job.result_cache else None
-        self.sent: dict[str, str] = {}  # request key -> the page ("source#page") it came from
+        # indexed at once: this actor may be stopped as soon as the last block has passed
+        features = (FeatureCache(job.cache, job.cache_size_gib, index_in_background=False)
+                    if job.feature_cache else None)
+        results = ResultCache(job.cache, job.cache_size_gib) if job.result_cache else None
+        self.router = Router(job, Deduper(job.dedupe, index=features), results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         for row in rows:
-            if row["error"] is not None:
+            tasks = [self.tasks[name] for name in json.loads(row["tasks"])]
+            routed = self.router.route(row["source"], row["page"], tasks, outcome_of(row))
+            if isinstance(routed, RenderFailure):
+                row.update(outcome_columns(routed), rgb=None)
                 continue
-            image = Image.frombytes("RGB", (row["width"], row["height"]), row["rgb"])
-            merged = self.deduper.near_merged
-            canonical = self.deduper.canonical(row["content_hash"], row["phash"], image,
-                                               row["text_layer"])
-            row["near_merged"] = self.deduper.near_merged > merged
-            plans = [self._plan(row, canonical, name) for name in json.loads(row["tasks"])]
-            row["tasks"] = json.dumps(plans)
-            if not any(p["action"] == "generate" for p in plans):
+            row["routes"] = routes_json(routed)
+            if not routed.to_generate():
                 row["rgb"] = None  # no need to ship the image on
-        return _table(rows, {"near_merged": pa.bool_()})
-
-    def _plan(self, row: dict, canonical: str, name: str) -> dict:
-        text, key = prompt_and_key(self.job, self.tasks[name], canonical, row["text_layer"],
-                                   row["source"], row["page"])
-        if key in self.sent:
-            return {"name": name, "key": key, "action": "copy", "origin": self.sent[key]}
-        hit = self.results.get(key) if self.results is not None else None
-        if hit is not None:
-            return {"name": name, "key": key, "action": "cached", "origin": hit.get("origin"),
-                    "output": hit["output"], "prompt_tokens": hit.get("prompt_tokens"),
-                    "output_tokens": hit.get("output_tokens")}
-        self.sent[key] = f"{row['source']}#{row['page']}"
-        return {"name": name, "key": key, "action": "generate", "prompt": text}
-
-
-class EngineLoop:
-    """One engine fed from several threads: a thread runs `engine.generate` over a queue
-    that never ends, so requests of the next block join the running batch while the last
-    ones finish (the engine is never drained between blocks)."""
-
-    IDLE_WAIT_S = 0.005
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.inbox: queue.Queue = queue.Queue()
-        self.waiting: dict[str, Future] = {}
-        self.lock = threading.Lock()
-        self.failed: str | None = None
-        threading.Thread(target=self._run, name="vlbatch-engine", daemon=True).start()
-
-    def submit(self, request: Request) -> Future:
-        future: Future = Future()
-        with self.lock:
-            if self.failed is not None:
-                future.set_result(Completion(request.request_id, None, self.failed))
-                return future
-            self.waiting[request.request_id] = future
-        self.inbox.put(request)
-        return future
-
-    def _feed(self):
-        while True:
-            try:
-                yield self.inbox.get(timeout=self.IDLE_WAIT_S)
-            except queue.Empty:
-                yield None
-
-    def _run(self) -> None:
-        try:
-            for done in self.engine.generate(self._feed()):
-                with self.lock:
-                    future = self.waiting.pop(done.request_id, None)
-                if future is not None:
-                    future.set_result(done)
-        except Exception as e:  # the engine died: every request in it and after it fails
-            with self.lock:
-                self.failed = f"engine failed: {e}"
-                left, self.waiting = self.waiting, {}
-            for request_id, future in left.items():
-                future.set_result(Completion(request_id, None, self.failed))
-
-
-def default_engine(job: Job):
-    from vlbatch.engine.vllm_engine import VllmEngine
-
-    return VllmEngine(job)
+        return _table(rows, ROUTED_COLUMNS)
 
 
 class GeneratePages:
-    """A long-lived vLLM actor: loads the model once and answers the `generate` tasks of
+    """A long-lived vLLM actor: loads the model once and answers the `generate` routes of
     every page block it is given, several blocks at once (a threaded actor)."""
 
     def __init__(self, job: dict, engine_factory=None):
         self.job = Job.model_validate(job)
         self.tasks = {t.name: t for t in self.job.tasks}
+        if engine_factory is None:
+            from vlbatch.engine.vllm_engine import start_vllm_engine as engine_factory
         started = time.monotonic()
-        self.engine = (engine_factory or default_engine)(self.job)
+        self.engine = engine_factory(self.job, None)
         self.start_s = round(time.monotonic() - started, 1)
         self.version = getattr(self.engine, "version", None)
         self.loop = EngineLoop(self.engine)
@@ -203,22 +169,24 @@ class GeneratePages:
         rows = batch.to_pylist()
         waiting = []
         for row in rows:
-            plans = json.loads(row["tasks"] or "[]")
-            row["tasks"] = plans
+            if row["routes"] is None:
+                continue
+            routes = json.loads(row["routes"])
+            row["routes"] = routes
             if row["rgb"] is None:
                 continue
-            image = Image.frombytes("RGB", (row["width"], row["height"]), row["rgb"])
-            for plan in plans:
-                if plan["action"] == "generate":
-                    request = Request(f"{row['order']}-{plan['name']}-{uuid.uuid4().hex[:8]}",
-                                      image, plan.pop("prompt"), self.tasks[plan["name"]])
-                    waiting.append((plan, self.loop.submit(request)))
-        for plan, future in waiting:
-            done: Completion = future.result()
-            plan.update(output=done.text, error=done.error, prompt_tokens=done.prompt_tokens,
-                        output_tokens=done.output_tokens)
+            image = RenderedPage(row["width"], row["height"], row["rgb"], None, "", "").image()
+            for route in routes["tasks"]:
+                if route["action"] == "generate":
+                    # the page in the id (a fresh one each time: a retried block never
+                    # meets its first attempt's ids); answers go back by route, not by id
+                    request = Request(f"{row['order']}-{route['task']}-{uuid.uuid4().hex[:8]}", image,
+                                      route.pop("prompt"), self.tasks[route["task"]])
+                    waiting.append((route, self.loop.submit(request)))
+        for route, future in waiting:
+            route["answer"] = answer_json(future.result())
         for row in rows:
-            row.update(tasks=json.dumps(row["tasks"]), rgb=None, engine_version=self.version,
-                       engine_start_s=self.start_s)
-        return _table(rows, {"near_merged": pa.bool_(), "engine_version": pa.string(),
-                             "engine_start_s": pa.float64()})
+            if isinstance(row["routes"], dict):
+                row["routes"] = json.dumps(row["routes"])
+            row.update(rgb=None, engine_version=self.version, engine_start_s=self.start_s)
+        return _table(rows, ROUTED_COLUMNS, ENGINE_COLUMNS)

@@ -1,35 +1,19 @@
 """The caches that outlive a run, in the job's `cache:` folder (diskcache): answers
 (ResultCache) and rendered pages with their dedupe index (FeatureCache).
 
-Answers are keyed by the page's pixels (content hash), the model, the prompt as sent and the
-sampling settings, within a namespace. Values are bytes or JSON, never pickle, so a cache
+Answers are keyed by the request key (route.py: the page's pixels, the model, the prompt as
+sent and the sampling settings, within a namespace). Values are bytes or JSON, never pickle, so a cache
 folder can be shared; an entry that does not decode is dropped, counted and recomputed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import threading
 from pathlib import Path
 
 from vlbatch.errors import JobCannotRunError
-from vlbatch.job import Task
-
-
-def request_key(namespace: str, content_hash: str, model: str, prompt: str, task: Task) -> str:
-    """What makes two requests the same: pixels, model, prompt as sent, sampling settings."""
-    parts = [namespace, content_hash, model, prompt, task.fingerprint()]
-    return "result:" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
-
-
-def prompt_and_key(job, task: Task, canonical: str, text_layer: str | None, source: str,
-                   page: int | None) -> tuple[str, str]:
-    """The task's prompt for a page, placeholders filled, and its request key (the page by
-    its canonical content hash, after dedupe)."""
-    text = task.render_prompt(text_layer=text_layer or "", source=source, page=page)
-    return text, request_key(job.cache_namespace, canonical, job.model, text, task)
 
 
 def _open_cache(folder: Path, name: str, size_limit_gib: float):
@@ -149,18 +133,21 @@ class FeatureCache(_JsonEntries):
         found = self._json("phash:" + content_hash)
         return found if isinstance(found, str) else None
 
-    def add(self, content_hash: str, phash: str, text_layer: str | None = None) -> None:
-        """Index a canonical page, in a background thread: the caller is the thread that
-        feeds the engine (measured on the H200: indexing inline cost 12% of W1 throughput).
-        The dedupe keeps this run's pages in memory, so it never waits for these writes."""
+    def add(self, content_hash: str, phash: str, bands: list[str],
+            text_layer: str | None = None) -> None:
+        """Index a canonical page under its perceptual-hash bands, in a background thread
+        (indexing inline cost the route stage 12% of W1 throughput on the H200 when it
+        shared the engine's thread). The dedupe keeps this run's pages in memory, so it
+        never waits for these writes."""
+        page = (content_hash, phash, tuple(bands), text_layer)
         if not self.index_in_background:
-            self._write_index([(content_hash, phash, text_layer)])
+            self._write_index([page])
             return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="vlbatch-index",
                                             daemon=True)
             self._writer.start()
-        self._pending.put((content_hash, phash, text_layer))
+        self._pending.put(page)
 
     def _write_loop(self) -> None:
         """Write what is queued in batches, one transaction each: a band shared by the
@@ -178,15 +165,13 @@ class FeatureCache(_JsonEntries):
             if batch[-1] is None:
                 return
 
-    def _write_index(self, pages: list[tuple[str, str, str | None]]) -> None:
-        from vlbatch.pipeline.dedupe import bands
-
+    def _write_index(self, pages: list[tuple[str, str, tuple[str, ...], str | None]]) -> None:
         joining: dict[str, list[tuple[str, str]]] = {}  # band -> pages joining it, in order
         with self._cache.transact():
-            for content_hash, phash, text_layer in pages:
+            for content_hash, phash, page_bands, text_layer in pages:
                 self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
                 self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
-                for band in bands(phash):
+                for band in page_bands:
                     joining.setdefault(band, []).append((content_hash, phash))
             for band, new in joining.items():
                 members = self.members(band)

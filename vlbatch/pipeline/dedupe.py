@@ -12,9 +12,10 @@ document's answer to another, so the thresholds err on the side of not merging.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from typing import Literal
 
 import numpy as np
+from cachetools import LRUCache
 from PIL import Image, ImageFilter
 
 PHASH_BITS = 256
@@ -82,14 +83,17 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
         ratio <= settings.rerender_max_peak_ratio
 
 
-class Deduper:
-    """Maps each page to its canonical page: itself, an exact copy seen before, or a
-    confirmed near-copy, in this run or (through the feature cache) in earlier ones.
+Relation = Literal["new", "exact", "near"]  # to the pages seen before
 
-    It runs on the thread that feeds the engine, so it reads the cache's index as little
-    as it can: not at all when the cache was empty when the run opened it (this run's
-    pages are in memory), one read for a page that was canonical in an earlier run, and
-    each band's members of earlier runs once per run (the last `memo_bands` of them kept)."""
+
+class Deduper:
+    """Maps each page to its canonical page: itself, an exact copy seen before in this run,
+    or a confirmed near-copy, in this run or (through the feature cache) in earlier ones.
+
+    It reads the cache's index as little as it can: not at all when the cache was empty
+    when the run opened it (this run's pages are in memory), one read for a page that was
+    canonical in an earlier run, and each band's members of earlier runs once per run (the
+    last `memo_bands` of them kept)."""
 
     def __init__(self, settings, index=None, keep_in_memory: int = 16, memo_bands: int = 4096):
         self.settings = settings  # the job's Dedupe section
@@ -98,28 +102,23 @@ class Deduper:
         self.search_index = index is not None and not index.empty_at_open
         self.bands: dict[str, set[str]] = {}
         self.phash_of: dict[str, str] = {}
-        self.recent: OrderedDict[str, tuple[Image.Image, str | None]] = OrderedDict()
-        self.keep = keep_in_memory
-        self.memo: OrderedDict[str, list[tuple[str, str | None]]] = OrderedDict()
-        self.memo_bands = memo_bands
-        self.near_merged = 0
+        # the images of the last canonical pages, for the pixel check without a cache read
+        self.recent: LRUCache = LRUCache(maxsize=keep_in_memory)
+        self.memo: LRUCache = LRUCache(maxsize=memo_bands)  # band -> earlier runs' members
         self.rejected = 0  # candidates the pixel check refused
 
     def _page(self, content_hash: str) -> tuple[Image.Image, str | None] | None:
-        if content_hash in self.recent:
-            self.recent.move_to_end(content_hash)
-            return self.recent[content_hash]
+        found = self.recent.get(content_hash)
+        if found is not None:
+            return found
         return self.index.image(content_hash) if self.index is not None else None
 
     def _earlier_members(self, band: str) -> list[tuple[str, str | None]]:
         """The index's members of a band: pages of earlier runs (this run's pages are in
         self.bands), which do not change during the run."""
-        if band in self.memo:
-            self.memo.move_to_end(band)
-            return self.memo[band]
-        found = self.memo[band] = self.index.members(band)
-        if len(self.memo) > self.memo_bands:
-            self.memo.popitem(last=False)
+        found = self.memo.get(band)
+        if found is None:
+            found = self.memo[band] = self.index.members(band)
         return found
 
     def _candidates(self, phash: str) -> dict[str, str | None]:
@@ -135,21 +134,22 @@ class Deduper:
                         found[content_hash] = other
         return found
 
-    def canonical(self, content_hash: str, phash: str, image: Image.Image,
-                  text_layer: str | None = None) -> str:
+    def match(self, content_hash: str, phash: str, image: Image.Image,
+              text_layer: str | None = None) -> tuple[str, Relation]:
+        """(canonical content hash, how the page relates to it)."""
         if content_hash in self.phash_of:
-            return content_hash
+            return content_hash, "exact"
         if self.max_distance > 0:
             if self.search_index and self.index.phash(content_hash):
                 # canonical in an earlier run, so it stays canonical (its answers are
                 # cached under it); already in the index
                 self._register(content_hash, phash, image, text_layer, index=False)
-                return content_hash
+                return content_hash, "new"
             merged = self._near_copy_of(content_hash, phash, image, text_layer)
             if merged is not None:
-                return merged
+                return merged, "near"
         self._register(content_hash, phash, image, text_layer)
-        return content_hash
+        return content_hash, "new"
 
     def _near_copy_of(self, content_hash: str, phash: str, image: Image.Image,
                       text_layer: str | None) -> str | None:
@@ -167,7 +167,6 @@ class Deduper:
             if other is None:
                 continue
             if same_page(image, other[0], text_layer, other[1], self.settings):
-                self.near_merged += 1
                 return candidate
             self.rejected += 1
         return None
@@ -175,10 +174,9 @@ class Deduper:
     def _register(self, content_hash: str, phash: str, image: Image.Image,
                   text_layer: str | None, index: bool = True) -> None:
         self.phash_of[content_hash] = phash
-        for band in bands(phash):
+        page_bands = bands(phash)
+        for band in page_bands:
             self.bands.setdefault(band, set()).add(content_hash)
         if index and self.index is not None:
-            self.index.add(content_hash, phash, text_layer)
+            self.index.add(content_hash, phash, page_bands, text_layer)
         self.recent[content_hash] = (image, text_layer)
-        while len(self.recent) > self.keep:
-            self.recent.popitem(last=False)

@@ -1,9 +1,10 @@
 """ingest: files -> page metadata (cheap, no rendering) and rendered pages.
 
 `probe` reads page counts and sizes (PDF page boxes, image headers) so the plan can order
-requests before anything is rendered; `render_page` makes the image the model will see.
-Both run in worker processes (see workers.py) and return plain picklable values; a failure
-is returned as an error string, never raised, so one bad file never stops the run.
+requests before anything is rendered; `render` makes the image the model will see. Both
+run in worker processes (see workers.py and render.py) and return plain picklable values;
+`probe` returns a failure as an error string, `render` raises with the reason, which the
+render stage turns into the page's error rows.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import lru_cache
 
 from PIL import Image
 
+from vlbatch.job import Render
 from vlbatch.pipeline import imaging
 
 PDF_MAGIC = b"%PDF-"
@@ -62,34 +64,9 @@ class RenderedPage:
         thread does this, so the thread that feeds the engine does not)."""
         return dataclasses.replace(self, rgb=b"", built=self.image())
 
-
-class FileTimeBudget:
-    """render.file_timeout_s: the render seconds one file may use in all. A page that ran
-    past its own limit counts as the whole page limit."""
-
-    def __init__(self, limit_s: float, page_timeout_s: float):
-        self.limit_s, self.page_timeout_s = limit_s, page_timeout_s
-        self.spent: dict[str, float] = {}  # per file path
-        self.reason = f"timeout: the file used up its time limit ({limit_s:g} s)"
-
-    def used_up(self, path: str) -> bool:
-        return self.spent.get(path, 0.0) > self.limit_s
-
-    def charge(self, path: str, result: object) -> None:
-        from vlbatch.pipeline.workers import CallTimedOut
-
-        cost = (result.render_s if isinstance(result, RenderedPage)
-                else self.page_timeout_s if isinstance(result, CallTimedOut) else 0.0)
-        self.spent[path] = self.spent.get(path, 0.0) + cost
-
-
-def failure_reasons(error: Exception) -> tuple[str, str]:
-    """(page row error, result row error) for a page that did not render: a page stopped by
-    its time limit or a dead worker says so; any other failure is 'render failed: ...'."""
-    from vlbatch.pipeline.workers import CallTimedOut, WorkerDied
-
-    stopped = isinstance(error, (CallTimedOut, WorkerDied))
-    return str(error), str(error) if stopped else f"render failed: {error}"
+    def metadata(self) -> RenderedPage:
+        """The page without its pixels (for rows and counters)."""
+        return dataclasses.replace(self, rgb=b"", built=None)
 
 
 def file_kind(path: str) -> str:
@@ -187,68 +164,27 @@ def _finish(image: Image.Image, text: str | None, min_pixels: int, max_pixels: i
                         imaging.content_hash(image), imaging.perceptual_hash(image))
 
 
-_feature_caches: dict[str, object] = {}  # per worker process, opened once
-
-
-def render_page(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixels: int,
-                password: str | None, cache_dir: str | None = None,
-                cache_key: str | None = None) -> RenderedPage:
-    """The page as the model sees it: from the feature cache when an earlier run rendered
-    it with the same settings, else rendered (and then cached)."""
-    cache, damaged = None, False
-    if cache_dir and cache_key:
-        from vlbatch.pipeline.cache import FeatureCache
-
-        cache = _feature_caches.get(cache_dir) or _feature_caches.setdefault(
-            cache_dir, FeatureCache(Path(cache_dir)))
-        hit = cache.get_page(cache_key)
-        if hit is not None:
-            meta, png = hit
-            try:
-                with Image.open(io.BytesIO(png)) as image:
-                    rgb = image.convert("RGB")
-                return RenderedPage(rgb.width, rgb.height, rgb.tobytes(), meta.get("text_layer"),
-                                    meta["content_hash"], meta["phash"], from_cache=True)
-            except Exception:  # a damaged entry: render again, and overwrite it
-                damaged = True
-    started = time.monotonic()
-    rendered = _render(path, kind, page, dpi, min_pixels, max_pixels, password)
-    rendered = dataclasses.replace(rendered, render_s=time.monotonic() - started, healed=damaged)
-    if cache is not None:
-        buf = io.BytesIO()
-        rendered.image().save(buf, "PNG", compress_level=1)
-        cache.put_page(cache_key, {"content_hash": rendered.content_hash, "phash": rendered.phash,
-                                   "text_layer": rendered.text_layer, "width": rendered.width,
-                                   "height": rendered.height,
-                                   "image_tokens": (rendered.width // imaging.IMAGE_FACTOR)
-                                   * (rendered.height // imaging.IMAGE_FACTOR)}, buf.getvalue())
-    return rendered
-
-
-_open_docs: dict[tuple, object] = {}  # per worker process: the PDFs it rendered last
-KEEP_OPEN = 2
+@lru_cache(maxsize=2)  # per worker process: the PDFs it rendered last
+def _open_pdf_once(path: str, mtime_ns: int, size: int, password: str | None):
+    return _open_pdf(path, password)
 
 
 def _worker_pdf(path: str, password: str | None):
     """The open document, reused across a worker's calls for pages of the same file (a
     file's pages otherwise re-open and re-parse it once per page)."""
     stat = os.stat(path)
-    key = (path, stat.st_mtime_ns, stat.st_size, password)
-    doc = _open_docs.pop(key, None) or _open_pdf(path, password)
-    _open_docs[key] = doc  # most recent last
-    while len(_open_docs) > KEEP_OPEN:
-        _open_docs.pop(next(iter(_open_docs))).close()
-    return doc
+    return _open_pdf_once(path, stat.st_mtime_ns, stat.st_size, password)
 
 
-def _render(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixels: int,
-            password: str | None) -> RenderedPage:
+def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
     """Render one page at the job's DPI, lowered when the page is larger than the pixel
     budget (never rendered big and then shrunk), then fitted to the exact model size."""
+    dpi, min_pixels, max_pixels = settings.dpi, settings.min_pixels, settings.max_pixels
+    started = time.monotonic()
     if kind == "pdf":
         import pymupdf
 
-        pdf_page = _worker_pdf(path, password)[page - 1]
+        pdf_page = _worker_pdf(path, settings.pdf_password)[page - 1]
         rect = pdf_page.rect
         zoom = dpi / 72
         h, w = imaging.smart_resize(round(rect.height * zoom), round(rect.width * zoom),
@@ -257,10 +193,11 @@ def _render(path: str, kind: str, page: int, dpi: int, min_pixels: int, max_pixe
         pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
                                   colorspace=pymupdf.csRGB)
         image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        text = pdf_page.get_text("text")
-        return _finish(image, text, min_pixels, max_pixels)
-    with _open_image(path) as image:
-        if page > 1:
-            image.seek(page - 1)
-        image.load()
-        return _finish(image, None, min_pixels, max_pixels)
+        rendered = _finish(image, pdf_page.get_text("text"), min_pixels, max_pixels)
+    else:
+        with _open_image(path) as image:
+            if page > 1:
+                image.seek(page - 1)
+            image.load()
+            rendered = _finish(image, None, min_pixels, max_pixels)
+    return dataclasses.replace(rendered, render_s=time.monotonic() - started)

@@ -1,24 +1,26 @@
-"""plan: page metadata x tasks -> the work still to do, in the order to do it.
+"""plan: page metadata x tasks -> the work still to do, in the order to do it (pure).
 
 Planning needs only page sizes (no rendering): each page's requests are estimated in tokens
 (image tokens after the model's smart resize plus the prompt's text tokens), pages are
 ordered longest first so the run has no long tail, and a page's tasks stay adjacent so the
-engine reuses the page's image work (encoder and prefix caches).
+engine reuses the page's image work (encoder and prefix caches). Nothing here changes a
+PageUnit: each step returns new ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from vlbatch.job import Task
+from vlbatch.job import Render, Task
 from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.discover import Source
 from vlbatch.pipeline.imaging import PageImageError, smart_resize
 from vlbatch.pipeline.ingest import Probe
 
 
-@dataclass
+@dataclass(frozen=True)
 class PageUnit:
     """One page of one source (page None: the file itself failed), in input order."""
 
@@ -29,14 +31,14 @@ class PageUnit:
     width: int = 0  # pixels before the model's budget
     height: int = 0
     error: str | None = None
-    tasks: list[Task] = field(default_factory=list)  # still to do
+    tasks: tuple[Task, ...] = ()  # still to do
     est_tokens: int = 0
 
     @property
     def ref(self) -> str:
         return f"{self.source.path}#{self.page}"
 
-    def feature_key(self, render) -> str:
+    def feature_key(self, render: Render) -> str:
         """This page's key in the feature cache, for the job's render settings."""
         return FeatureCache.page_key(self.source.sha256, self.page, render.dpi,
                                      render.min_pixels, render.max_pixels)
@@ -55,31 +57,32 @@ def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageU
     return units
 
 
-def select_todo(units: list[PageUnit], tasks: list[Task], is_done: Callable[[PageUnit, Task], bool],
-                limit: int | None = None) -> list[PageUnit]:
-    """The first `limit` units (input order, before dedupe), each with its unfinished tasks;
-    units with nothing left to do are dropped."""
-    chosen = units if limit is None else units[:limit]
+def select_todo(units: Iterable[PageUnit], tasks: Iterable[Task],
+                is_done: Callable[[PageUnit, Task], bool]) -> list[PageUnit]:
+    """Each unit with its unfinished tasks; units with nothing left to do are dropped."""
+    tasks = tuple(tasks)
     todo = []
-    for unit in chosen:
-        unit.tasks = [t for t in tasks if not is_done(unit, t)]
-        if unit.tasks:
-            todo.append(unit)
+    for unit in units:
+        left = tuple(t for t in tasks if not is_done(unit, t))
+        if left:
+            todo.append(dataclasses.replace(unit, tasks=left))
     return todo
 
 
-def order_for_generation(units: list[PageUnit], text_tokens: Callable[[str], int],
+def order_for_generation(units: Iterable[PageUnit], text_tokens: Callable[[str], int],
                          min_pixels: int, max_pixels: int, factor: int = 32) -> list[PageUnit]:
     """Longest first (estimated prompt tokens), input order among equals; tasks of a page
     ordered longest prompt first."""
+    ordered = []
     for unit in units:
         lengths = {t.name: text_tokens(t.render_prompt(text_layer="", source=unit.source.path,
                                                        page=unit.page)) for t in unit.tasks}
-        unit.tasks.sort(key=lambda t: -lengths[t.name])
         try:
             h, w = smart_resize(unit.height, unit.width, min_pixels, max_pixels, factor)
             image_tokens = (h // factor) * (w // factor)
         except PageImageError:
             image_tokens = 0  # rendering will report it
-        unit.est_tokens = image_tokens + max(lengths.values())
-    return sorted(units, key=lambda u: (-u.est_tokens, u.order))
+        ordered.append(dataclasses.replace(
+            unit, tasks=tuple(sorted(unit.tasks, key=lambda t: -lengths[t.name])),
+            est_tokens=image_tokens + max(lengths.values())))
+    return sorted(ordered, key=lambda u: (-u.est_tokens, u.order))

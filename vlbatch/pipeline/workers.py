@@ -38,24 +38,30 @@ def default_workers(configured: int) -> int:
     return max(1, len(cores))
 
 
-def _lower_priority() -> None:
+def _start_worker(initializer: Callable[..., None] | None, initargs: tuple) -> None:
     try:
         os.nice(WORKER_NICENESS)
     except OSError:  # not allowed here: run at the parent's priority
         pass
+    if initializer is not None:
+        initializer(*initargs)
 
 
 class WorkerPool:
     """`imap(fn, items, args_of)` yields (item, result-or-exception) in order."""
 
-    def __init__(self, workers: int, timeout_s: float, lookahead: int | None = None):
+    def __init__(self, workers: int, timeout_s: float, lookahead: int | None = None,
+                 initializer: Callable[..., None] | None = None, initargs: tuple = ()):
+        """`initializer(*initargs)` runs once in each worker process as it starts (and in
+        each replacement of one that was killed or died)."""
         from pebble import ProcessPool
 
         self.workers = workers
         self.timeout_s = timeout_s
         self.lookahead = lookahead or 4 * workers
         # spawn: the parent may hold threads (vLLM, torch); forking those is unsafe
-        self._pool = ProcessPool(max_workers=workers, initializer=_lower_priority,
+        self._pool = ProcessPool(max_workers=workers, initializer=_start_worker,
+                                 initargs=(initializer, initargs),
                                  context=multiprocessing.get_context("spawn"))
 
     def imap(self, fn: Callable[..., Any], items: Iterable[T],

@@ -1,0 +1,180 @@
+"""`executor: local`: the stages on this machine, wired with threads and bounded queues.
+
+    render thread   orders the plan (once the processor has loaded), renders it in the
+                    worker processes, builds each page's image          -> rendered
+    route thread    file time budget, dedupe, prompts, keys, cache reads (route.Router);
+                    hands the page to the sink and its requests to the engine
+    engine thread   engine.loop.EngineLoop: hands requests to the engine, resolves
+                    completions; nothing else
+    main thread     starts the engine, and runs the sink: rows, counters, cache writes
+
+The engine starts on the main thread as soon as the run knows new pages need it, while the
+other threads plan and render; a run whose pages are all answered from the caches never
+starts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+from vlbatch.engine.base import Request
+from vlbatch.engine.loop import EngineLoop
+from vlbatch.executor.context import RunContext
+from vlbatch.pipeline import scope
+from vlbatch.pipeline.dedupe import Deduper
+from vlbatch.pipeline.ingest import RenderedPage
+from vlbatch.pipeline.plan import PageUnit
+from vlbatch.pipeline.render import FileTimeBudget, PageSpec, render_in_order
+from vlbatch.pipeline.route import RoutedPage, Router
+from vlbatch.pipeline.sink import RunSink
+from vlbatch.pipeline.workers import WorkerPool
+
+log = logging.getLogger("vlbatch")
+POLL_S = 0.1  # how often a blocked hand-over looks whether the run is stopping
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=POLL_S)
+            return
+        except queue.Full:
+            continue
+    raise _Stopped
+
+
+class LocalExecutor:
+    def run(self, ctx: RunContext, units: tuple[PageUnit, ...], sink: RunSink) -> None:
+        job = ctx.job
+        stop = threading.Event()
+        rendered: queue.Queue = queue.Queue(maxsize=ctx.pool.lookahead)
+        events: queue.Queue = queue.Queue()  # to the main thread: ("page" | "done" | ...)
+        engine: Future = Future()  # the EngineLoop, once started
+        router = Router(job, Deduper(job.dedupe, index=ctx.features), ctx.results)
+
+        def render() -> None:
+            try:
+                ordered = scope.order(job, units, ctx.prompts.result())
+                ctx.lap("plan_s")
+                spec = lambda u: PageSpec(u.source.abs_path, u.kind, u.page,  # noqa: E731
+                                          u.feature_key(job.render) if job.feature_cache else None)
+                for unit, outcome in render_in_order(
+                        ctx.pool, ordered, spec, job.render,
+                        FileTimeBudget(job.render.file_timeout_s), lambda u: u.source.path):
+                    if isinstance(outcome, RenderedPage):  # the image built here, not later
+                        outcome = outcome.with_image()
+                    _put(rendered, (unit, outcome), stop)
+                _put(rendered, None, stop)
+            except _Stopped:
+                return
+            except Exception as e:  # the pool itself failed: every page left gets an error
+                log.error("rendering stopped: %s", e)
+                _put(rendered, RuntimeError("render pool failed"), stop)
+
+        def route() -> None:
+            asked = False
+            try:
+                while True:
+                    try:
+                        item = rendered.get(timeout=POLL_S)
+                    except queue.Empty:
+                        if stop.is_set():
+                            return
+                        continue
+                    if item is None or isinstance(item, Exception):
+                        events.put(("routed_all", str(item) if item is not None else None))
+                        return
+                    unit, outcome = item
+                    routed = router.route(unit.source.path, unit.page, unit.tasks, outcome)
+                    if not isinstance(routed, RoutedPage):
+                        events.put(("failed", unit, routed))
+                        continue
+                    events.put(("page", unit, outcome.metadata(), routed))
+                    requests = routed.to_generate()
+                    if requests and not asked:
+                        events.put(("start_engine",))
+                        asked = True
+                    for r in requests:
+                        future = engine.result().submit(
+                            Request(r.key, outcome.image(), r.prompt, r.task))
+                        future.add_done_callback(lambda f: events.put(("done", f.result())))
+            except Exception as e:  # a bug, or the engine could not start: the main thread says
+                events.put(("route_failed", e))
+
+        threads = [threading.Thread(target=render, name="vlbatch-render", daemon=True),
+                   threading.Thread(target=route, name="vlbatch-route", daemon=True)]
+        for thread in threads:
+            thread.start()
+        loop: EngineLoop | None = None
+        ready_at, finished = None, False
+        try:
+            if self._worth_starting_early(ctx, units):
+                # the engine takes longest to start (a minute on a GPU): start it now, while
+                # the other threads plan and render
+                loop = self._start(ctx, sink, engine)
+                ready_at = time.monotonic()
+            routed_all = False
+            while not routed_all or sink.waiting_on_engine():
+                event = events.get()
+                kind = event[0]
+                if kind == "page":
+                    sink.page_routed(*event[1:])
+                elif kind == "done":
+                    sink.completed(event[1])
+                elif kind == "failed":
+                    sink.page_failed(*event[1:])
+                elif kind == "start_engine" and loop is None:
+                    ctx.lap("to_first_request_s")
+                    loop = self._start(ctx, sink, engine)
+                    ready_at = time.monotonic()
+                elif kind == "routed_all":
+                    routed_all = True
+                    sink.fail_unseen(event[1] or "lost between rendering and routing")
+                elif kind == "route_failed":
+                    raise event[1]
+            if ready_at is not None:
+                sink.stats.generation_s = round(time.monotonic() - ready_at, 2)
+            finished = True
+        finally:
+            stop.set()
+            if not engine.done():
+                engine.set_exception(_Stopped())
+            if loop is not None:
+                loop.close(timeout_s=60 if finished else 0)  # it holds nothing when finished
+                loop.engine.close()
+            for thread in threads:
+                thread.join(timeout=10)
+
+    @staticmethod
+    def _start(ctx: RunContext, sink: RunSink, engine: Future) -> EngineLoop:
+        started = time.monotonic()
+        try:
+            generation_engine = ctx.engine_factory(ctx.job, ctx.prompts)
+        except BaseException as e:
+            engine.set_exception(e)
+            raise
+        sink.stats.engine_start_s = round(time.monotonic() - started, 1)
+        sink.engine_version = getattr(generation_engine, "version", None)
+        loop = EngineLoop(generation_engine, max_waiting=64)
+        engine.set_result(loop)
+        return loop
+
+    @staticmethod
+    def _worth_starting_early(ctx: RunContext, units: tuple[PageUnit, ...]) -> bool:
+        """Start the engine while planning and rendering run, unless every page may be
+        answered from the caches (an identical re-run into a new output folder never
+        starts it): some page was never rendered before, or there is no result cache."""
+        job = ctx.job
+        if not job.result_cache:
+            return True
+        if ctx.features is None:
+            return False
+        return any(not ctx.features.has_page(u.feature_key(job.render)) for u in units)

@@ -1,0 +1,238 @@
+"""sink: routed pages and completions -> rows (Parquet parts), counters, the result cache.
+
+Both executors hand the sink the same things: a page that failed, a routed page (its page
+row, and for each task an answer now, a copy to answer when its original is answered, or a
+request in flight), and each completion. The sink is called from one thread only (locally
+the run's main thread, on Ray the driver). Every planned page gets its rows: what was never
+routed or answered gets error rows with the reason (`fail_unseen`, `fail_pending`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from vlbatch.engine.base import Completion
+from vlbatch.job import Job, Task
+from vlbatch.pipeline.ingest import RenderedPage
+from vlbatch.pipeline.plan import PageUnit
+from vlbatch.pipeline.render import RenderFailure
+from vlbatch.pipeline.route import RoutedPage, cached_answer
+from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, OutputFolder, PartWriter
+
+log = logging.getLogger("vlbatch")
+
+
+@dataclass
+class RunStats:
+    run_id: str = ""
+    sources: int = 0
+    pages_total: int = 0  # pages (and unopenable files) in scope for this run
+    pages_already_done: int = 0
+    pages_todo: int = 0
+    pages_finished: int = 0
+    requests_total: int = 0
+    requests_finished: int = 0
+    # rows, by where their answer came from
+    generated: int = 0  # answers the engine generated in this run
+    rejected: int = 0  # requests the engine refused (too long, bad image, ...)
+    failed: int = 0  # requests that failed in the engine (it died, aborted them)
+    copied: int = 0  # rows given the answer of a request sent for another page of this run
+    cache_hits: int = 0  # rows answered from the result cache (earlier runs)
+    # pages
+    exact_copies: int = 0  # pages with the same pixels as an earlier page of this run
+    near_copies: int = 0  # pages merged with a confirmed near-copy
+    pages_from_feature_cache: int = 0  # not rendered: read from the feature cache
+    cache_corrupt: int = 0  # cache entries that did not decode (dropped, recomputed)
+    rows_ok: int = 0
+    rows_error: int = 0
+    pages_with_errors: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    engine_start_s: float | None = None
+    generation_s: float | None = None  # from engine ready to the last answer
+    seconds: float = 0.0
+    pages_per_s: float = 0.0
+    error_reasons: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+
+
+@dataclass(frozen=True)
+class _Row:
+    """Where a result row goes: its page, task and page hashes."""
+
+    unit: PageUnit
+    task: Task
+    hashes: tuple[str | None, str | None]
+
+
+class AnswerBook:
+    """Answers generated in this run, for the copies that share them: a copy waits until
+    its original is answered, or gets the answer at once. With a result cache the texts
+    live there (host memory stays flat); errors and, without a cache, texts live here."""
+
+    def __init__(self, results=None):
+        self.results = results  # a ResultCache, or None
+        self.origin: dict[str, str] = {}  # key -> the page it was generated for
+        self.kept: dict[str, Completion] = {}
+        self.waiting: dict[str, list[tuple[_Row, str]]] = {}  # key -> copies, their origin
+
+    def answer(self, key: str, origin: str, done: Completion) -> list[tuple[_Row, str]]:
+        """Record an answer; the copies that waited for it."""
+        self.origin[key] = origin
+        if done.error is None and self.results is not None:
+            self.results.put(key, {"output": done.text, "origin": origin,
+                                   "prompt_tokens": done.prompt_tokens,
+                                   "output_tokens": done.output_tokens})
+        else:
+            self.kept[key] = done
+        return self.waiting.pop(key, [])
+
+    def lookup(self, key: str) -> Completion | None:
+        """The answer of a key answered in this run; None while it is not."""
+        if key not in self.origin:
+            return None
+        if key in self.kept:
+            return self.kept[key]
+        hit = self.results.get(key)
+        return cached_answer(key, hit) if hit is not None else \
+            Completion(key, None, "the answer of the page this copies was lost")
+
+    def wait(self, key: str, row: _Row, origin: str) -> None:
+        self.waiting.setdefault(key, []).append((row, origin))
+
+
+class RunSink:
+    def __init__(self, job: Job, run_id: str, output: OutputFolder, results=None,
+                 progress: Callable[[RunStats], None] | None = None):
+        self.job = job
+        self.stats = RunStats(run_id=run_id)
+        self.engine_version: str | None = None  # the engine that answered, as it reports it
+        self.progress = progress or (lambda stats: None)
+        self.results = PartWriter(output.results, run_id, RESULT_SCHEMA, job.part_rows,
+                                  job.part_seconds)
+        self.pages = PartWriter(output.pages, run_id, PAGE_SCHEMA, job.part_rows,
+                                job.part_seconds)
+        self.book = AnswerBook(results)
+        self.pending: dict[str, _Row] = {}  # request key -> the row its answer goes to
+        self.unseen: dict[int, PageUnit] = {}  # planned pages without a page row yet
+        self.tasks_left: dict[int, int] = {}
+        self.error_pages: set[int] = set()
+
+    # ----- what the executors call -----
+    def expect(self, units: Iterable[PageUnit]) -> None:
+        for unit in units:
+            self.unseen[unit.order] = unit
+            self.tasks_left[unit.order] = len(unit.tasks)
+            self.stats.requests_total += len(unit.tasks)
+
+    def page_failed(self, unit: PageUnit, failure: RenderFailure) -> None:
+        self._page_row(unit, None, failure.page_error)
+        for task in unit.tasks:
+            self._row(_Row(unit, task, (None, None)), error=failure.row_error)
+
+    def page_routed(self, unit: PageUnit, page: RenderedPage, routed: RoutedPage) -> None:
+        s = self.stats
+        self._page_row(unit, page, None)
+        s.pages_from_feature_cache += page.from_cache
+        s.cache_corrupt += page.healed
+        s.exact_copies += routed.relation == "exact"
+        s.near_copies += routed.relation == "near"
+        hashes = (page.content_hash, page.phash)
+        for route in routed.tasks:
+            row = _Row(unit, route.task, hashes)
+            if route.action == "generate":
+                self.pending[route.key] = row
+            elif route.action == "cached":
+                s.cache_hits += 1
+                self._answer_row(row, route.answer, route.origin, cached=True)
+            else:
+                answer = self.book.lookup(route.key)
+                if answer is None:
+                    self.book.wait(route.key, row, route.origin)
+                else:
+                    self._copy_row(row, answer, route.origin)
+
+    def completed(self, done: Completion) -> None:
+        """An answer (or error) for a request in flight; its copies get it too."""
+        row = self.pending.pop(done.request_id, None)
+        if row is None:  # already failed by fail_pending
+            return
+        s = self.stats
+        if done.error is None:
+            s.generated += 1
+        elif done.rejected:
+            s.rejected += 1
+        else:
+            s.failed += 1
+        s.prompt_tokens += done.prompt_tokens or 0
+        s.output_tokens += done.output_tokens or 0
+        self._answer_row(row, done, None, cached=False)
+        for copy, origin in self.book.answer(done.request_id, row.unit.ref, done):
+            self._copy_row(copy, done, origin)
+
+    def waiting_on_engine(self) -> bool:
+        return bool(self.pending)
+
+    def fail_pending(self, reason: str) -> None:
+        """Requests never answered: error rows, for them and their copies."""
+        for key in list(self.pending):
+            self.completed(Completion(key, None, reason))
+
+    def fail_unseen(self, reason: str) -> None:
+        """Planned pages that never came back from rendering or routing: error rows."""
+        for unit in list(self.unseen.values()):
+            self.page_failed(unit, RenderFailure(reason, reason))
+
+    def close(self) -> None:
+        self.results.flush()
+        self.pages.flush()
+
+    # ----- rows -----
+    def _copy_row(self, row: _Row, answer: Completion, origin: str) -> None:
+        self.stats.copied += 1
+        self._answer_row(row, answer, origin, cached=True)
+
+    def _answer_row(self, row: _Row, answer: Completion, origin: str | None, cached: bool) -> None:
+        self._row(row, output=answer.text, error=answer.error, cached=cached,
+                  reused_from=origin if origin != row.unit.ref else None,
+                  prompt_tokens=answer.prompt_tokens, output_tokens=answer.output_tokens)
+
+    def _row(self, row: _Row, *, output: str | None = None, error: str | None = None,
+             cached: bool = False, reused_from: str | None = None,
+             prompt_tokens: int | None = None, output_tokens: int | None = None) -> None:
+        unit, task, s = row.unit, row.task, self.stats
+        self.results.add(dict(
+            source=unit.source.path, page=unit.page, task=task.name,
+            output=None if error is not None else output,
+            status="error" if error is not None else "ok", error=error,
+            content_hash=row.hashes[0], phash=row.hashes[1], cached=cached,
+            reused_from=reused_from, model=self.job.model, run_id=s.run_id,
+            source_sha256=unit.source.sha256, task_hash=task.fingerprint(),
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+            finished_at=datetime.now(timezone.utc)))
+        if error is None:
+            s.rows_ok += 1
+        else:
+            s.rows_error += 1
+            self.error_pages.add(unit.order)
+            s.pages_with_errors = len(self.error_pages)
+            reason = error.split(":")[0][:80]
+            s.error_reasons[reason] = s.error_reasons.get(reason, 0) + 1
+        self.tasks_left[unit.order] -= 1
+        if self.tasks_left[unit.order] == 0:
+            s.pages_finished += 1
+        s.requests_finished += 1
+        self.progress(s)
+
+    def _page_row(self, unit: PageUnit, page: RenderedPage | None, error: str | None) -> None:
+        self.unseen.pop(unit.order, None)
+        self.pages.add(dict(
+            source=unit.source.path, page=unit.page,
+            width=page.width if page else None, height=page.height if page else None,
+            text_layer=page.text_layer if page else None,
+            content_hash=page.content_hash if page else None,
+            phash=page.phash if page else None, source_sha256=unit.source.sha256,
+            error=error, run_id=self.stats.run_id))

@@ -1,0 +1,147 @@
+"""One run of a job: the frame around the stages, the same for every executor.
+
+    lock the output -> scope (discover, probe, what is still to do: a frozen Plan)
+      -> the executor renders, routes and generates the plan into the sink
+      -> the sink's rows are flushed and the run's manifest written -> the error budget
+
+See docs/architecture.md for the stages, what flows between them and where each runs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+from vlbatch import __version__
+from vlbatch.engine.base import GenerationEngine
+from vlbatch.engine.vllm_engine import start_vllm_engine
+from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
+from vlbatch.executor.context import RunContext
+from vlbatch.job import Job
+from vlbatch.pipeline import scope
+from vlbatch.pipeline.cache import FeatureCache, ResultCache
+from vlbatch.pipeline.render import RenderFailure, render_pool
+from vlbatch.pipeline.sink import RunSink, RunStats
+from vlbatch.pipeline.workers import default_workers
+from vlbatch.pipeline.write import OutputFolder
+
+ProgressCallback = Callable[[RunStats], None]
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+def default_prompts(job: Job):
+    """The model's processor (chat template, tokenizer): token counts for planning, and the
+    prompts the engine sends. Loaded once, while the inputs are probed."""
+    from vlbatch.engine.prompts import PromptBuilder
+
+    try:
+        return PromptBuilder(job.model_path(), job.engine.trust_remote_code)
+    except Exception as e:  # not a model folder, not on the hub, no processor
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JobCannotRunError(f"cannot load the model's processor from {job.model!r}: "
+                                f"{reason}") from e
+
+
+class _Laps:
+    """Seconds per stage, into the run's timings."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings, self.last = timings, time.monotonic()
+
+    def __call__(self, name: str | None = None) -> None:
+        now = time.monotonic()
+        if name is not None:
+            self.timings[name] = round(now - self.last, 2)
+        self.last = now
+
+
+def _executor(job: Job, engine_factory):
+    if job.executor == "ray":
+        from vlbatch.executor.ray_run import RayExecutor
+
+        return RayExecutor(engine_factory)
+    from vlbatch.executor.local import LocalExecutor
+
+    return LocalExecutor()
+
+
+def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
+            engine_factory: Callable[[Job, object], GenerationEngine] = start_vllm_engine,
+            prompts_factory: Callable[[Job], object] = default_prompts,
+            progress: ProgressCallback | None = None,
+            on_start: Callable[[RunStats], None] | None = None) -> RunStats:
+    """Run the job; its stats. `on_start` gets the stats object as soon as it exists (the
+    CLI shows it however the run ends)."""
+    started = time.monotonic()
+    output = OutputFolder(job.output)
+    with output.lock():
+        run_id = new_run_id()
+        results = ResultCache(job.cache, job.cache_size_gib) if job.result_cache else None
+        sink = RunSink(job, run_id, output, results, progress)
+        stats = sink.stats
+        if on_start is not None:
+            on_start(stats)
+        lap = _Laps(stats.timings)
+        features, plan, status = None, None, "failed"
+        background = ThreadPoolExecutor(1, thread_name_prefix="vlbatch-load")
+        try:
+            sources = scope.find_sources(job)
+            lap("discover_s")
+            stats.sources = len(sources)
+            features = FeatureCache(job.cache, job.cache_size_gib) if job.feature_cache else None
+            with render_pool(job, default_workers(job.render.workers)) as pool:
+                prompts: Future = background.submit(prompts_factory, job)  # while probing
+                plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
+                                       output.done_keys(retry_errors), limit)
+                lap("probe_s")
+                stats.pages_total, stats.pages_todo = plan.pages_in_scope, len(plan.todo)
+                stats.pages_already_done = plan.pages_in_scope - len(plan.todo)
+                sink.expect(plan.todo)
+                for unit in plan.unopenable:
+                    sink.page_failed(unit, RenderFailure(unit.error, unit.error))
+                if plan.renderable:
+                    context = RunContext(job, pool, prompts, features, results,
+                                         engine_factory, lap)
+                    _executor(job, engine_factory).run(context, plan.renderable, sink)
+            status = "finished"
+        finally:
+            background.shutdown(wait=False)
+            lap()
+            sink.close()
+            for opened in (results, features):
+                if opened is not None:
+                    stats.cache_corrupt += opened.corrupt
+                    opened.close()
+            lap("finish_s")
+            stats.seconds = round(time.monotonic() - started, 2)
+            stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
+            output.write_manifest(run_id, _manifest(job, stats, status, plan, sink.engine_version,
+                                                    limit, retry_errors))
+    rate = stats.pages_with_errors / stats.pages_todo if stats.pages_todo else 0.0
+    if rate > job.max_error_rate:
+        raise ErrorBudgetExceeded(
+            f"{stats.pages_with_errors} of {stats.pages_todo} pages failed "
+            f"({rate:.1%}), over max_error_rate {job.max_error_rate:.1%}")
+    return stats
+
+
+def _manifest(job: Job, stats: RunStats, status: str, plan, engine_version: str | None,
+              limit: int | None, retry_errors: bool) -> dict:
+    sources = plan.sources if plan is not None else ()
+    return {
+        "run_id": stats.run_id, "status": status, "job": job.name,
+        "config_hash": job.config_hash(),
+        "config": job.model_dump(mode="json", exclude={"base_dir"}),
+        "limit": limit, "retry_errors": retry_errors,
+        "inputs": [{"path": s.path, "sha256": s.sha256, "size": s.size} for s in sources],
+        "versions": {"vlbatch": __version__, "vllm": engine_version, "model": job.model},
+        "summary": asdict(stats),
+        "finished_at": datetime.now(timezone.utc).isoformat(),
+    }
