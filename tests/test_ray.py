@@ -53,9 +53,14 @@ def differences(local, on_ray):
 
 
 def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_path):
+    """The same rows, counters and decisions, error rows included: broken files, a task
+    whose requests vLLM refuses (over max_model_len) with an exact copy sharing the
+    original's error, and a PDF whose file time budget runs out after its first page."""
     fields = job_fields(tiny_model, [f"{corpus(samples)}/*"])
     fields["engine"]["max_num_seqs"] = 1  # one request at a time in both: batch-invariant
     fields["engine"]["dtype"] = "float32"  # rounding noise far below bf16's
+    fields["tasks"].append({"name": "too_long", "prompt": "word " * 2500, "max_tokens": 4})
+    fields["render"]["file_timeout_s"] = 0.000001  # a file's first rendered page uses it up
     local_job = write_job({**fields, "output": "out-local", "cache": "cache-local"}, "local.yaml")
     ray_job = write_job({**fields, "output": "out-ray", "cache": "cache-ray", "executor": "ray",
                          "ray": {"workers": 1, "render_workers": 1, "pages_per_batch": 2}},
@@ -66,22 +71,35 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
         result = run_cli("run", str(job), env=ONE_THREAD)
         assert result.returncode == 0, result.stderr[-3000:]
     local, on_ray = rows(tmp_path / "out-local"), rows(tmp_path / "out-ray")
-    assert local.height == on_ray.height >= 2 * 10  # every page and bad file, 2 tasks each
+    assert local.height == on_ray.height == 3 * 10  # every page and bad file, 3 tasks each
     assert on_ray.select("source", "page", "task").unique().height == on_ray.height
     assert local.equals(on_ray), differences(local, on_ray)
     # the dedupe decisions were made: an exact copy and a near copy reused, errors kept
-    reused = on_ray.filter(pl.col("reused_from").is_not_null())["source"].to_list()
+    asked = on_ray.filter(pl.col("task") != "too_long")
+    reused = asked.filter(pl.col("reused_from").is_not_null())["source"].to_list()
     assert any(s.endswith("receipt.png") for s in reused)
     assert any(s.endswith("receipt-reencoded.jpg") for s in reused)
-    assert on_ray.filter(pl.col("status") == "error")["source"].str.ends_with(".pdf").all()
-    assert (on_ray.filter(pl.col("status") == "ok")["output"].str.len_chars() > 0).all()
+    assert asked.filter(pl.col("status") == "error")["source"].str.ends_with(".pdf").all()
+    assert (asked.filter(pl.col("status") == "ok")["output"].str.len_chars() > 0).all()
+    # refused requests are error rows; the exact copy shares its original's error
+    too_long = on_ray.filter(pl.col("task") == "too_long")
+    chart = too_long.filter(pl.col("source").str.ends_with("/chart.jpg"))
+    assert chart["error"][0].startswith("request rejected") and chart["reused_from"][0] is None
+    copy = too_long.filter(pl.col("source").str.ends_with("/receipt.png"))
+    assert copy["error"][0].startswith("request rejected")
+    assert copy["reused_from"][0].endswith("receipt-copy.png#1") and copy["cached"][0]
+    # the 3-page PDF: its first page within the file's time budget, the others not
+    report = on_ray.filter(pl.col("source").str.ends_with("report.pdf") & (pl.col("task") == "describe"))
+    assert report.sort("page")["error"].to_list()[0] is None
+    assert all(e.startswith("timeout: the file used up") for e in report.sort("page")["error"][1:])
     # the same manifest: the same summary counts, and the engine that answered
     summaries = [json.loads(next((tmp_path / o / "_runs").glob("*.json")).read_text())
                  for o in ("out-local", "out-ray")]
     for key in ("pages_total", "pages_finished", "generated", "rejected", "failed", "cache_hits",
                 "copied", "exact_copies", "near_copies", "rows_ok", "rows_error",
-                "prompt_tokens", "output_tokens"):
+                "prompt_tokens", "output_tokens", "error_reasons"):
         assert summaries[0]["summary"][key] == summaries[1]["summary"][key], key
+    assert summaries[1]["summary"]["rejected"] >= 5 and summaries[1]["summary"]["exact_copies"] == 1
     assert summaries[1]["config"]["executor"] == "ray" and summaries[1]["versions"]["vllm"]
     assert summaries[1]["status"] == "finished"
 

@@ -31,7 +31,6 @@ from vlbatch.pipeline.plan import PageUnit
 from vlbatch.pipeline.render import FileTimeBudget, PageSpec, render_in_order
 from vlbatch.pipeline.route import RoutedPage, Router
 from vlbatch.pipeline.sink import RunSink
-from vlbatch.pipeline.workers import WorkerPool
 
 log = logging.getLogger("vlbatch")
 POLL_S = 0.1  # how often a blocked hand-over looks whether the run is stopping

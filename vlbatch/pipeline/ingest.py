@@ -10,7 +10,6 @@ render stage turns into the page's error rows.
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import os
 import time
