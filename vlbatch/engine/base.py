@@ -21,6 +21,8 @@ class Request:
     image: Image.Image  # already at the size the model sees
     text: str  # the task's prompt, placeholders filled
     task: Task
+    chat_prompt: str | None = None  # the text in the model's chat template; None: the
+    # engine applies it (the local route thread does, so the engine's thread need not)
 
 
 @dataclass

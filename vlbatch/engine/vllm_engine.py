@@ -96,7 +96,7 @@ class VllmEngine:
         return self._params[task.name]
 
     def _add(self, engine, request: Request) -> None:
-        prompt = {"prompt": self.prompts.chat_prompt(request.text),
+        prompt = {"prompt": request.chat_prompt or self.prompts.chat_prompt(request.text),
                   "multi_modal_data": {"image": request.image}}
         engine.add_request(request.request_id, prompt, self.sampling_params(request.task))
 

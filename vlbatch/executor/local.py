@@ -81,6 +81,8 @@ class LocalExecutor:
         def route() -> None:
             asked = False
             try:
+                # prompts in the model's chat template here, not on the engine's thread
+                chat_prompt = getattr(ctx.prompts.result(), "chat_prompt", lambda text: None)
                 while True:
                     try:
                         item = rendered.get(timeout=POLL_S)
@@ -102,8 +104,8 @@ class LocalExecutor:
                         events.put(("start_engine",))
                         asked = True
                     for r in requests:
-                        future = engine.result().submit(
-                            Request(r.key, outcome.image(), r.prompt, r.task))
+                        future = engine.result().submit(Request(
+                            r.key, outcome.image(), r.prompt, r.task, chat_prompt(r.prompt)))
                         future.add_done_callback(lambda f: events.put(("done", f.result())))
             except Exception as e:  # a bug, or the engine could not start: the main thread says
                 events.put(("route_failed", e))

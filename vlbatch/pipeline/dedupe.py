@@ -18,7 +18,6 @@ import numpy as np
 from cachetools import LRUCache
 from PIL import Image, ImageFilter
 
-PHASH_BITS = 256
 BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
 COMPARE_LONG_SIDE = 1344  # pixels: pages are compared at most this large
 BLOCK = 8  # pixels (at the comparison size)
@@ -105,7 +104,6 @@ class Deduper:
         # the images of the last canonical pages, for the pixel check without a cache read
         self.recent: LRUCache = LRUCache(maxsize=keep_in_memory)
         self.memo: LRUCache = LRUCache(maxsize=memo_bands)  # band -> earlier runs' members
-        self.rejected = 0  # candidates the pixel check refused
 
     def _page(self, content_hash: str) -> tuple[Image.Image, str | None] | None:
         found = self.recent.get(content_hash)
@@ -168,7 +166,6 @@ class Deduper:
                 continue
             if same_page(image, other[0], text_layer, other[1], self.settings):
                 return candidate
-            self.rejected += 1
         return None
 
     def _register(self, content_hash: str, phash: str, image: Image.Image,

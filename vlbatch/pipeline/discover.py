@@ -18,12 +18,9 @@ class Source:
     read_error: str | None = None
 
 
-def file_sha256(path: str, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
+def file_sha256(path: str) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:

@@ -70,7 +70,6 @@ class PartWriter:
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self.rows: list[dict] = []
         self.seq = 0
-        self.rows_written = 0
         self.last_flush = time.monotonic()
 
     def add(self, row: dict) -> None:
@@ -90,7 +89,6 @@ class PartWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.folder / name)
         self.seq += 1
-        self.rows_written += len(self.rows)
         self.rows = []
 
 
