@@ -43,3 +43,17 @@ def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
     done = {("f0.png", 1, t.name, "sha0", t.fingerprint()) for t in TASKS}
     plan = make_plan(job, sources, probes, done, limit=3)
     assert plan.pages_in_scope == 3 and [u.source.path for u in plan.todo] == ["f1.png", "f2.png"]
+
+
+def test_file_time_budget_skips_only_what_plan_order_would_refuse():
+    """A render stage that sees a file's pages out of plan order (Ray's render actors) may
+    skip a page only when pages before it in the plan used the budget up; the route stage,
+    in plan order, then refuses it too."""
+    from vlbatch.pipeline.render import FileTimeBudget
+
+    seen_late = FileTimeBudget(1.0)
+    seen_late.charge("f", 5.0, rank=7)  # a late page, rendered first
+    assert not seen_late.used_up_before("f", 2) and seen_late.used_up_before("f", 8)
+    route = FileTimeBudget(1.0)
+    assert route.admit("f", 5.0) and not route.admit("f", 0.0)  # rank 2, then rank 7
+    assert not route.admit("f", 0.1) and route.admit("g", 0.5)

@@ -62,12 +62,14 @@ class LocalExecutor:
         def render() -> None:
             try:
                 ordered = scope.order(job, units, ctx.prompts.result())
+                rank = {u.order: i for i, u in enumerate(ordered)}
                 ctx.lap("plan_s")
                 spec = lambda u: PageSpec(u.source.abs_path, u.kind, u.page,  # noqa: E731
                                           u.feature_key(job.render) if job.feature_cache else None)
                 for unit, outcome in render_in_order(
                         ctx.pool, ordered, spec, job.render,
-                        FileTimeBudget(job.render.file_timeout_s), lambda u: u.source.path):
+                        FileTimeBudget(job.render.file_timeout_s), lambda u: u.source.path,
+                        lambda u: rank[u.order]):
                     if isinstance(outcome, RenderedPage):  # the image built here, not later
                         outcome = outcome.with_image()
                     _put(rendered, (unit, outcome), stop)

@@ -10,8 +10,10 @@ planned pages, in plan order:
           --map_batches(RoutePages, one actor)--> the Router's decisions, in plan order
           --map_batches(GeneratePages, one actor per GPU group)--> answers --> the sink
 
-Order is preserved through the pipeline, so routing sees pages in the order a local run
-does and makes the same decisions, and a copy's original always reaches the sink first.
+Order is preserved through the pipeline (Ray Data hands each stage's blocks on in plan
+order, though render actors may render them in any order), so routing sees pages in the
+order a local run does and makes the same decisions, and a copy's original always reaches
+the sink first.
 An actor that dies is restarted and its block retried by Ray Data; the driver hands a
 block's pages to the sink only when the block arrives whole, so nothing is lost or written
 twice.
@@ -97,11 +99,11 @@ class RayExecutor:
         context.execution_options.preserve_order = True  # routing decides in plan order
         context.enable_progress_bars = False  # vlbatch shows its own progress
         context.print_on_execution_start = log.isEnabledFor(logging.DEBUG)
-        items = [{"order": u.order, "source": u.source.path, "page": u.page,
+        items = [{"order": u.order, "rank": rank, "source": u.source.path, "page": u.page,
                   "path": u.source.abs_path, "kind": u.kind,
                   "tasks": json.dumps([t.name for t in u.tasks]),
                   "page_key": u.feature_key(job.render) if job.feature_cache else None}
-                 for u in units]
+                 for rank, u in enumerate(units)]
         per_batch = settings.pages_per_batch
         cluster = ray.cluster_resources()
         cpus = int(cluster.get("CPU", 1))

@@ -25,7 +25,8 @@ from vlbatch.pipeline.render import FileTimeBudget, PageSpec, RenderFailure, ren
 from vlbatch.pipeline.route import RoutedPage, TaskRoute
 
 PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
-    "order": pa.int64(), "source": pa.string(), "page": pa.int32(), "error": pa.string(),
+    "order": pa.int64(), "rank": pa.int64(), "source": pa.string(), "page": pa.int32(),
+    "error": pa.string(),
     "row_error": pa.string(), "cost_s": pa.float64(), "width": pa.int32(),
     "height": pa.int32(), "rgb": pa.binary(), "text_layer": pa.string(),
     "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
@@ -114,7 +115,7 @@ class RenderPages:
         rows = batch.to_pylist()
         spec = lambda row: PageSpec(row["path"], row["kind"], row["page"], row["page_key"])  # noqa: E731
         for row, outcome in render_in_order(self.pool, rows, spec, self.job.render, self.skip,
-                                            lambda row: row["source"]):
+                                            lambda row: row["source"], lambda row: row["rank"]):
             row.update(outcome_columns(outcome))
         return _table(rows)
 

@@ -7,8 +7,10 @@ as it starts (`PageStore`, the pool's initializer), with the job's size limit.
 
 `FileTimeBudget` is render.file_timeout_s: the render seconds a file may use in all. Its
 decision is made in plan order by the route stage (`admit`), so it is the same whichever
-executor renders; the render stage only skips pages whose file is already past its budget
-(`used_up`), which never changes the outcome (such a page would not be admitted).
+executor renders. A render stage skips a page only when pages of its file that come before
+it in the plan already cost more than the budget (`used_up_before`): then the route stage
+would not admit it either, in whatever order the render stages saw the pages (Ray's render
+actors take blocks out of plan order).
 """
 
 from __future__ import annotations
@@ -120,13 +122,20 @@ class FileTimeBudget:
     def __init__(self, limit_s: float):
         self.limit_s = limit_s
         self.spent: dict[str, float] = {}  # per file
+        self.charged: dict[str, list[tuple[int, float]]] = {}  # per file: (plan rank, cost)
         self.reason = f"timeout: the file used up its time limit ({limit_s:g} s)"
 
     def used_up(self, path: str) -> bool:
         return self.spent.get(path, 0.0) > self.limit_s
 
-    def charge(self, path: str, cost_s: float) -> None:
+    def used_up_before(self, path: str, rank: int) -> bool:
+        """The pages of this file charged here that come before `rank` in the plan cost
+        more than the budget."""
+        return sum(c for r, c in self.charged.get(path, ()) if r < rank) > self.limit_s
+
+    def charge(self, path: str, cost_s: float, rank: int = 0) -> None:
         self.spent[path] = self.spent.get(path, 0.0) + cost_s
+        self.charged.setdefault(path, []).append((rank, cost_s))
 
     def admit(self, path: str, cost_s: float) -> bool:
         """In plan order: False for a page of a file already past its budget; else the page
@@ -142,17 +151,18 @@ def cost_of(outcome: ingest.RenderedPage | RenderFailure) -> float:
 
 
 def render_in_order(pool: WorkerPool, items: Iterable[T], spec_of: Callable[[T], PageSpec],
-                    settings: Render, skip: FileTimeBudget, path_of: Callable[[T], str]
+                    settings: Render, skip: FileTimeBudget, path_of: Callable[[T], str],
+                    rank_of: Callable[[T], int]
                     ) -> Iterator[tuple[T, ingest.RenderedPage | RenderFailure]]:
     """(item, rendered page or failure) for each item, in the order given, except that a
-    page of a file that `skip` says is past its budget is not rendered and comes back early
-    (a failure, cost 0: it would not be admitted wherever it came). Every other page's cost
-    is charged to `skip` as it comes back."""
+    page whose file `skip` says is past its budget before it (`rank_of`: its place in the
+    plan) is not rendered and comes back early (a failure, cost 0: it would not be admitted
+    anyway). Every other page's cost is charged to `skip` as it comes back."""
     skipped: list[T] = []
 
     def to_render() -> Iterator[T]:
         for item in items:
-            if skip.used_up(path_of(item)):
+            if skip.used_up_before(path_of(item), rank_of(item)):
                 skipped.append(item)
             else:
                 yield item
@@ -166,6 +176,6 @@ def render_in_order(pool: WorkerPool, items: Iterable[T], spec_of: Callable[[T],
         yield from drain_skipped()
         outcome = result if isinstance(result, ingest.RenderedPage) else \
             failure(result, settings.page_timeout_s)
-        skip.charge(path_of(item), cost_of(outcome))
+        skip.charge(path_of(item), cost_of(outcome), rank_of(item))
         yield item, outcome
     yield from drain_skipped()
