@@ -80,6 +80,35 @@ class CpuSampler:
             before, procs_before, then = now, procs, at
 
 
+class GpuSampler:
+    """GPU busy (NVML, through nvidia-smi) every 200 ms: (s since process start, percent)."""
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, int]] = []
+        if shutil.which("nvidia-smi") is None:
+            return
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu",
+                                      "--format=csv,noheader,nounits", "-lms", "200"],
+                                     stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((round(time.monotonic() - PROCESS_START, 2), int(line.split(",")[0])))
+            except ValueError:
+                continue
+
+    def busy(self, start_s: float, end_s: float) -> float | None:
+        """Mean GPU busy percent between two times (s since process start)."""
+        inside = [u for t, u in self.samples if start_s <= t <= end_s]
+        return round(sum(inside) / len(inside), 1) if inside else None
+
+
 def _setting(text: str) -> tuple[str, object]:
     import yaml
 
@@ -132,22 +161,36 @@ def run_raw(args) -> dict:
     render_s = time.monotonic() - started
     prompts = PromptBuilder(job.model_path())
     t0 = time.monotonic()
-    # --vllm-defaults: what a user gets from LLM(model) (dummy weights aside); else the
-    # arguments vlbatch passes for this job
-    kwargs = ({"model": job.model_path(), "load_format": "dummy", "seed": 0}
+    # --vllm-defaults: vLLM as a user writes it (dummy weights aside): one image a prompt,
+    # the pixel budget, vLLM's defaults otherwise; else the arguments vlbatch passes
+    kwargs = ({"model": job.model_path(), "load_format": "dummy", "seed": 0,
+               "limit_mm_per_prompt": {"image": 1, "video": 0},
+               "mm_processor_kwargs": {"max_pixels": r.max_pixels}}
               if args.vllm_defaults else engine_kwargs(job))
     llm = LLM(**kwargs)
     engine_start_s = time.monotonic() - t0
-    requests, params = [], []
-    for image in images:  # a page's tasks together, as vlbatch keeps them
-        for task in job.tasks:
-            requests.append({"prompt": prompts.chat_prompt(task.prompt),
-                             "multi_modal_data": {"image": image}})
-            params.append(SamplingParams(max_tokens=task.max_tokens, temperature=task.temperature,
-                                         ignore_eos=task.ignore_eos))
+
+    def requests_for(pages) -> tuple[list, list]:
+        requests, params = [], []
+        for image in pages:  # a page's tasks together, as vlbatch keeps them
+            for task in job.tasks:
+                requests.append({"prompt": prompts.chat_prompt(task.prompt),
+                                 "multi_modal_data": {"image": image}})
+                params.append(SamplingParams(max_tokens=task.max_tokens,
+                                             temperature=task.temperature,
+                                             ignore_eos=task.ignore_eos))
+        return requests, params
+
+    if args.warmup:  # in the same engine, on other pixels than the measured pages
+        from PIL import ImageOps
+
+        llm.generate(*requests_for([ImageOps.invert(i) for i in images[:args.warmup]]),
+                     use_tqdm=False)
+    requests, params = requests_for(images)
     t0 = time.monotonic()
     outputs = llm.generate(requests, params, use_tqdm=False)
     seconds = time.monotonic() - t0
+    gen_window = (t0 - PROCESS_START, t0 - PROCESS_START + seconds)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {"mode": "raw-vllm-defaults" if args.vllm_defaults else "raw", "pages": len(images),
@@ -157,7 +200,8 @@ def run_raw(args) -> dict:
             "generate_s": round(seconds, 2), "pages_per_s": round(len(images) / seconds, 2),
             "requests_per_s": round(len(outputs) / seconds, 2),
             "prompt_tokens_per_request": round(prompt_tokens / len(outputs), 1),
-            "output_tokens": out_tokens}
+            "output_tokens": out_tokens, "window_s": gen_window,
+            "warmup_pages": args.warmup}
 
 
 def run_vlbatch(args) -> dict:
@@ -182,6 +226,7 @@ def run_vlbatch(args) -> dict:
 
     stats = run_job(job, progress=progress, limit=args.limit or None)
     wall_s = time.monotonic() - started
+    ended = time.monotonic() - PROCESS_START - (stats.timings.get("finish_s") or 0)
     run_s = stats.seconds - (stats.engine_start_s or 0)
     return {"mode": f"vlbatch-{job.executor}", "pages": stats.pages_finished,
             "ray": job.ray.model_dump() if job.executor == "ray" else None, "requests": stats.generated,
@@ -195,7 +240,8 @@ def run_vlbatch(args) -> dict:
             "pages_per_s": round(stats.pages_finished / stats.generation_s, 2),
             "requests_per_s": round(stats.generated / stats.generation_s, 2),
             "prompt_tokens_per_request": round(stats.prompt_tokens / max(stats.generated, 1), 1),
-            "output_tokens": stats.output_tokens}
+            "output_tokens": stats.output_tokens,
+            "window_s": (round(ended - (stats.generation_s or 0), 2), round(ended, 2))}
 
 
 def main() -> None:
@@ -218,6 +264,8 @@ def main() -> None:
                         help="raw, vlbatch: the first N pages only (a warm-up run)")
     parser.add_argument("--fresh", action="store_true",
                         help="vlbatch: delete the job's output and cache folders first")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="raw: generate this many other pages first in the same engine")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--debug", action="store_true",
                         help="vlbatch's debug log (with executor: ray, the actors' logs too)")
@@ -230,8 +278,13 @@ def main() -> None:
     if args.mode == "job":
         write_job(args)
         return
-    cpu = CpuSampler()
+    cpu, gpu = CpuSampler(), GpuSampler()
     result = run_raw(args) if args.mode == "raw" else run_vlbatch(args)
+    if result.get("window_s"):
+        start, end = result["window_s"]
+        result["gpu_busy_pct"] = gpu.busy(start + 2, end - 1)  # steady state: ends trimmed
+        result["gpu_busy_pct_window"] = gpu.busy(start, end)
+    result["gpu_busy"] = gpu.samples[::5]
     result["process_start"] = time.strftime("%H:%M:%S", time.gmtime(cpu.epoch))  # UTC, as vLLM logs
     result["cpu_busy_cores"] = cpu.samples
     result["process_s"] = round(time.monotonic() - PROCESS_START, 1)

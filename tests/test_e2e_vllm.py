@@ -160,3 +160,58 @@ def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, writ
     assert result.returncode == 0, result.stderr[-2000:]
     df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
     assert (df["status"] == "ok").all() and (df["model"] == "acme/tiny-vl").all()
+
+
+def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job):
+    """Pages processed by vlbatch's input threads, several at once, reach the engine as
+    vLLM's own processing builds them (a second engine as vLLM ships it, its processor cache
+    on): the same prompt token ids, pixel values bit for bit, image grid and placeholder.
+    Fails too if vLLM renames the internals the threads use (engine/vllm_frontend.py)."""
+    import torch
+    from PIL import Image
+
+    from vlbatch.engine.base import Request
+    from vlbatch.engine.vllm_engine import VllmEngine
+    from vlbatch.engine.vllm_frontend import InputFront
+    from vlbatch.pipeline.imaging import fit_to_budget
+
+    fields = job_fields(tiny_model, ["*.pdf"])
+    threaded = load_job(write_job(fields, "threaded.yaml"))
+    fields["engine"]["frontend_threads"] = 0
+    plain = load_job(write_job(fields, "plain.yaml"))
+    assert threaded.engine.frontend_threads == 4  # the default
+    ours, theirs = VllmEngine(threaded), VllmEngine(plain)
+    try:
+        front = InputFront(ours.llm.llm_engine, 4, 2)
+        requests = []
+        for i, (w, h) in enumerate([(1240, 1754), (640, 300), (100, 100), (2000, 500)] * 3):
+            image = Image.effect_noise((w, h), 40 + i).convert("RGB")
+            image = fit_to_budget(image, threaded.render.min_pixels, threaded.render.max_pixels)
+            for task in threaded.tasks:
+                requests.append(Request(f"{i}-{task.name}", image, task.render_prompt(
+                    text_layer=f"page {i} text"), task))
+        prepared = [front.prepare(r.request_id, ours.vllm_prompt(r), ours.sampling_params(r.task))
+                    for r in requests]  # all at once: 4 threads work on them together
+        mine = [p.result(timeout=120) for p in prepared]
+        front.close()
+        engine = theirs.llm.llm_engine
+        reference = [engine.input_processor.process_inputs(
+            r.request_id, theirs.vllm_prompt(r), theirs.sampling_params(r.task),
+            supported_tasks=engine.get_supported_tasks()) for r in requests]
+    finally:
+        ours.close()
+        theirs.close()
+    # vLLM's processor cache sends a repeated image's data once (then None: the engine core
+    # has it); ours is off, so every request carries its own
+    sent = {r.mm_features[0].identifier: r.mm_features[0].data for r in reference
+            if r.mm_features[0].data is not None}
+    assert len(sent) == 12
+    for a, b in zip(mine, reference, strict=True):
+        assert a.prompt_token_ids == b.prompt_token_ids
+        assert len(a.mm_features) == len(b.mm_features) == 1
+        fa, fb = a.mm_features[0], b.mm_features[0]
+        assert fa.mm_position == fb.mm_position and fa.identifier == fb.identifier
+        data = sent[fb.identifier]
+        assert fa.data is not None and set(fa.data) == set(data) >= {"pixel_values", "image_grid_thw"}
+        for key in fa.data:
+            assert torch.equal(fa.data[key].data, data[key].data), key

@@ -122,6 +122,16 @@ class EngineSettings(_Strict):
     compile_cache_dir: Path | None = Field(default=None, description="vLLM's cache root "
                                            "(compiled graphs); None: ~/.cache/vllm.")
     trust_remote_code: bool = False
+    frontend_threads: int = Field(default=4, ge=0, description="Threads that run vLLM's input "
+                                  "processing (the HF processor, hashing) for page requests, "
+                                  "off the thread that steps the engine; 0: on that thread, as "
+                                  "vLLM's LLM does. vLLM's processor cache is off when > 0.")
+    frontend_torch_threads: int = Field(default=2, ge=1, description="Torch threads each of "
+                                        "those threads uses (OMP_NUM_THREADS for vLLM's "
+                                        "input processing).")
+    mm_tensor_ipc: Literal["direct_rpc", "torch_shm"] | None = Field(default=None, description="vLLM's transport of image "
+                                      "tensors to its engine core (e.g. 'torch_shm'); None: "
+                                      "vLLM's default.")
 
 
 class RaySettings(_Strict):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 from vlbatch.engine.base import Completion, Request
 from vlbatch.engine.prompts import PromptBuilder
+from vlbatch.engine.vllm_frontend import InputFront
 from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job, Task
 
@@ -39,6 +41,10 @@ def engine_kwargs(job: Job) -> dict:
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     enable_prefix_caching=e.enable_prefix_caching)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if e.frontend_threads:  # its LRU is not for concurrent use (vllm_frontend.py)
+        kwargs["mm_processor_cache_gb"] = 0
+    if e.mm_tensor_ipc is not None:
+        kwargs["mm_tensor_ipc"] = e.mm_tensor_ipc
     compilation = {name: True for name, on in (("compile_mm_encoder", e.compile_mm_encoder),
                                                ("cudagraph_mm_encoder", e.cudagraph_mm_encoder)) if on}
     if compilation:
@@ -95,40 +101,74 @@ class VllmEngine:
                 output_kind=RequestOutputKind.FINAL_ONLY)
         return self._params[task.name]
 
-    def _add(self, engine, request: Request) -> None:
-        prompt = {"prompt": request.chat_prompt or self.prompts.chat_prompt(request.text),
-                  "multi_modal_data": {"image": request.image}}
-        engine.add_request(request.request_id, prompt, self.sampling_params(request.task))
+    def vllm_prompt(self, request: Request) -> dict:
+        return {"prompt": request.chat_prompt or self.prompts.chat_prompt(request.text),
+                "multi_modal_data": {"image": request.image}}
 
     def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
+        """Requests from `feed` go to the input threads (or, with none, straight to vLLM);
+        this thread adds what is ready to the engine, in order, and steps it."""
         engine = self.llm.llm_engine
+        threads = self.job.engine.frontend_threads
+        front = InputFront(engine, threads, self.job.engine.frontend_torch_threads) \
+            if threads else None
         in_flight: set[str] = set()
+        preparing: deque[tuple[Request, Future]] = deque()
         exhausted = False
-        while True:
-            while not exhausted and len(in_flight) < self.max_in_flight:
-                request = next(feed, StopIteration)
-                if request is StopIteration:
-                    exhausted = True
-                elif request is None:  # nothing rendered yet
-                    if in_flight:
-                        break
-                    time.sleep(IDLE_WAIT_S)
-                else:
-                    try:
-                        self._add(engine, request)
+        try:
+            while True:
+                while not exhausted and len(in_flight) + len(preparing) < self.max_in_flight:
+                    request = next(feed, StopIteration)
+                    if request is StopIteration:
+                        exhausted = True
+                    elif request is None:  # nothing rendered yet
+                        if in_flight or preparing:
+                            break
+                        time.sleep(IDLE_WAIT_S)
+                    elif front is not None:
+                        params = self.sampling_params(request.task)
+                        preparing.append((request, front.prepare(
+                            request.request_id, self.vllm_prompt(request), params)))
+                    else:
+                        done = self._add(engine, request, None)
+                        if done is None:
+                            in_flight.add(request.request_id)
+                        else:
+                            yield done
+                if preparing and not in_flight:  # nothing to step: wait for the next one
+                    wait([preparing[0][1]], timeout=IDLE_WAIT_S * 10)
+                while preparing and preparing[0][1].done():
+                    request, prepared = preparing.popleft()
+                    done = self._add(engine, request, prepared)
+                    if done is None:
                         in_flight.add(request.request_id)
-                    except Exception as e:  # over-long prompt, bad image, ...
-                        yield Completion(request.request_id, None, f"request rejected: {e}",
-                                         rejected=True)
-            if not in_flight:
-                if exhausted:
-                    return
-                continue
-            for out in engine.step():
-                if not out.finished:
+                    else:
+                        yield done
+                if not in_flight:
+                    if exhausted and not preparing:
+                        return
                     continue
-                in_flight.discard(out.request_id)
-                yield self._completion(out)
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    in_flight.discard(out.request_id)
+                    yield self._completion(out)
+        finally:
+            if front is not None:
+                front.close()
+
+    def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
+        """Add a request to the engine, processed by an input thread (`prepared`) or here;
+        a Completion when it is refused (over-long prompt, bad image, ...)."""
+        params = self.sampling_params(request.task)
+        try:
+            if prepared is None:
+                engine.add_request(request.request_id, self.vllm_prompt(request), params)
+            else:
+                engine.add_request(request.request_id, prepared.result(), params)
+        except Exception as e:
+            return Completion(request.request_id, None, f"request rejected: {e}", rejected=True)
+        return None
 
     @staticmethod
     def _completion(out) -> Completion:

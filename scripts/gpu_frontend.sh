@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 16's proof on the lent H200 (after install-vllm.sh): raw vLLM as a user writes it vs
+# vlbatch end to end, W1, each run its own process, GPU busy sampled (nvidia-smi).
+#   bash scripts/gpu_frontend.sh raw [PAGES]    set-up; raw as shipped (16-page warm-up in
+#                                               its engine); a vlbatch warm-up (it compiles)
+#   bash scripts/gpu_frontend.sh vlbatch        vlbatch W1 with input threads (the default),
+#                                               then without (frontend_threads 0)
+#   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm; raw again
+# Results as JSON under $OUT; ratios: python3 scripts/bench_ratios.py $OUT.
+set -uo pipefail
+STAGE=${1:-raw}; shift || true
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+  VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
+MODEL=/tmp/models/qwen3-vl-30b-a3b
+B="python3 scripts/bench_gpu.py"
+step() {  # step NAME SECONDS COMMAND...: one bounded run, its last line shown
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - t0)) s"; tail -1 "$OUT/$name.log" | cut -c1-400
+}
+job() {  # job WORK [ENGINE SETTING...]: a W1 job file
+  local work=$1; shift
+  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "$work" --tasks 1 \
+    $(for kv in "$@"; do echo --engine "$kv"; done) > /dev/null
+}
+case $STAGE in
+  raw)
+    python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" > /dev/null
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
+    nproc | tee -a "$OUT/gpu.txt"
+    python3 scripts/make_pages.py /tmp/w1-pages "${1:-400}" 10 > /dev/null
+    python3 scripts/processor_time.py "$MODEL" "$(ls /tmp/w1-pages/*.pdf | head -1)" | tee "$OUT/processor.txt"
+    job /tmp/w1; job /tmp/w1-nothreads frontend_threads=0; job /tmp/w1-shm mm_tensor_ipc=torch_shm
+    step raw-vllm-defaults 280 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16
+    step warmup-w1 200 $B vlbatch --job /tmp/w1/job.yaml --fresh --limit 48 ;;
+  vlbatch)
+    step vlbatch-w1 200 $B vlbatch --job /tmp/w1/job.yaml --fresh
+    step vlbatch-w1-nothreads 200 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
+  shm)
+    step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh
+    step raw-vllm-defaults-2 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+python3 scripts/bench_ratios.py "$OUT" 2>/dev/null | tee "$OUT/ratios.txt"
+for f in "$OUT"/*.json; do python3 -c "import json,sys; d=json.load(open('$f')); print('$(basename $f)', {k: d.get(k) for k in ('pages','pages_per_s','generation_s','generate_s','engine_start_s','gpu_busy_pct','gpu_busy_pct_window','process_s')})"; done
+echo "elapsed $SECONDS s"
