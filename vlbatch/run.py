@@ -38,7 +38,7 @@ def new_run_id() -> str:
 
 def default_prompts(job: Job):
     """The model's processor (chat template, tokenizer): token counts for planning, and the
-    prompts the engine sends. Loaded once, while the inputs are probed."""
+    prompts the engine sends. Loaded once, only when there are pages to render."""
     from vlbatch.engine.prompts import PromptBuilder
 
     try:
@@ -97,7 +97,6 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             stats.sources = len(sources)
             features = FeatureCache(job.cache, job.cache_size_gib) if job.feature_cache else None
             with render_pool(job, default_workers(job.render.workers)) as pool:
-                prompts: Future = background.submit(prompts_factory, job)  # while probing
                 plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
                                        output.done_keys(retry_errors), limit)
                 lap("probe_s")
@@ -106,7 +105,8 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                 sink.expect(plan.todo)
                 for unit in plan.unopenable:
                     sink.page_failed(unit, RenderFailure(unit.error, unit.error))
-                if plan.renderable:
+                if plan.renderable:  # the processor loads while the engine starts
+                    prompts: Future = background.submit(prompts_factory, job)
                     context = RunContext(job, pool, prompts, features, results,
                                          engine_factory, lap)
                     _executor(job, engine_factory).run(context, plan.renderable, sink)
