@@ -9,17 +9,7 @@
 # Results as JSON under $OUT; ratios: python3 scripts/bench_ratios.py $OUT.
 set -uo pipefail
 STAGE=${1:-raw}; shift || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-  VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
-MODEL=/tmp/models/qwen3-vl-30b-a3b
-B="python3 scripts/bench_gpu.py"
-step() {  # step NAME SECONDS COMMAND...: one bounded run, its last line shown
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - t0)) s"; tail -1 "$OUT/$name.log" | cut -c1-400
-}
+source "$(dirname "$0")/gpu_common.sh"
 job() {  # job WORK [ENGINE SETTING...]: a W1 job file
   local work=$1; shift
   $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "$work" --tasks 1 \

@@ -16,18 +16,8 @@
 # Needs .gpu/models/ (a copy of shared/models/).
 set -uo pipefail
 STAGE=${1:-w1}; shift || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-  VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
-MODEL=/tmp/models/qwen3-vl-30b-a3b
-B="python3 scripts/bench_gpu.py"
+source "$(dirname "$0")/gpu_common.sh"
 WARMUP_PAGES=48
-step() {  # step NAME SECONDS COMMAND...: one bounded run, its last line shown
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - t0)) s"; tail -1 "$OUT/$name.log" | cut -c1-300
-}
 job() {  # job WORK TASKS [ENGINE SETTING]: a job file over the W1 pages
   $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "$1" --tasks "$2" \
     ${3:+--engine "$3"} > /dev/null

@@ -176,7 +176,7 @@ class GeneratePages:
             row["routes"] = routes
             if row["rgb"] is None:
                 continue
-            image = RenderedPage(row["width"], row["height"], row["rgb"], None, "", "").image()
+            image = outcome_of(row).image()
             for route in routes["tasks"]:
                 if route["action"] == "generate":
                     # the page in the id (a fresh one each time: a retried block never
