@@ -181,6 +181,7 @@ def run_raw(args) -> dict:
                                              ignore_eos=task.ignore_eos))
         return requests, params
 
+    first_request = profile_first_request(llm, requests_for(images[-1:]), args.json)
     if args.warmup:  # in the same engine, on other pixels than the measured pages
         from PIL import ImageOps
 
@@ -201,7 +202,30 @@ def run_raw(args) -> dict:
             "requests_per_s": round(len(outputs) / seconds, 2),
             "prompt_tokens_per_request": round(prompt_tokens / len(outputs), 1),
             "output_tokens": out_tokens, "window_s": gen_window,
-            "warmup_pages": args.warmup}
+            "warmup_pages": args.warmup, "first_request_processing_s": first_request}
+
+
+def profile_first_request(llm, requests, json_path) -> float:
+    """vLLM's input processing of one request, not added (outside the timed window), under
+    cProfile: what the offline front-end does at its first request. The 20 costliest calls
+    go beside the JSON."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = llm.llm_engine
+    profile = cProfile.Profile()
+    t0 = time.monotonic()
+    profile.enable()
+    engine.input_processor.process_inputs("first", requests[0][0], requests[1][0],
+                                          supported_tasks=engine.get_supported_tasks())
+    profile.disable()
+    seconds = time.monotonic() - t0
+    if json_path is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        json_path.with_suffix(".first-request.txt").write_text(text.getvalue())
+    return round(seconds, 2)
 
 
 def run_vlbatch(args) -> dict:
@@ -224,6 +248,13 @@ def run_vlbatch(args) -> dict:
                   f"pages, {stats.generated} generated, engine start {stats.engine_start_s}",
                   flush=True)
 
+    import logging
+
+    engine_log = logging.getLogger("vlbatch")  # the engine's start and warm-up lines
+    engine_log.setLevel(logging.DEBUG)
+    handler = logging.StreamHandler()
+    handler.addFilter(lambda record: "warm-up" in record.msg or "started in" in record.msg)
+    engine_log.addHandler(handler)
     stats = run_job(job, progress=progress, limit=args.limit or None)
     wall_s = time.monotonic() - started
     ended = time.monotonic() - PROCESS_START - (stats.timings.get("finish_s") or 0)
@@ -241,7 +272,20 @@ def run_vlbatch(args) -> dict:
             "requests_per_s": round(stats.generated / stats.generation_s, 2),
             "prompt_tokens_per_request": round(stats.prompt_tokens / max(stats.generated, 1), 1),
             "output_tokens": stats.output_tokens,
-            "window_s": (round(ended - (stats.generation_s or 0), 2), round(ended, 2))}
+            "window_s": (round(ended - (stats.generation_s or 0), 2), round(ended, 2)),
+            "errors": error_reasons(job.output)}
+
+
+def error_reasons(output: Path) -> dict[str, int]:
+    """Error rows in the run's Parquet, counted by reason."""
+    import polars as pl
+
+    files = sorted((Path(output) / "results").glob("**/*.parquet"))
+    if not files:
+        return {}
+    rows = pl.concat([pl.read_parquet(f, columns=["error"]) for f in files], how="diagonal")
+    counts = rows.filter(pl.col("error").is_not_null()).group_by("error").len()
+    return {row["error"][:300]: row["len"] for row in counts.iter_rows(named=True)}
 
 
 def main() -> None:

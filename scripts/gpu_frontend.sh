@@ -2,17 +2,18 @@
 # Issue 16's proof on the lent H200 (after install-vllm.sh): raw vLLM as a user writes it vs
 # vlbatch end to end, W1, each run its own process, GPU busy sampled (nvidia-smi).
 #   bash scripts/gpu_frontend.sh raw [PAGES]    set-up; raw as shipped (16-page warm-up in
-#                                               its engine); a vlbatch warm-up (it compiles)
+#                                               its engine)
 #   bash scripts/gpu_frontend.sh vlbatch        vlbatch W1 with input threads (the default),
 #                                               then without (frontend_threads 0)
-#   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm; raw again
+#   bash scripts/gpu_frontend.sh w3             vlbatch W3 (4 tasks a page); raw W1 again
+#   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm
 # Results as JSON under $OUT; ratios: python3 scripts/bench_ratios.py $OUT.
 set -uo pipefail
 STAGE=${1:-raw}; shift || true
 source "$(dirname "$0")/gpu_common.sh"
-job() {  # job WORK [ENGINE SETTING...]: a W1 job file
-  local work=$1; shift
-  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "$work" --tasks 1 \
+job() {  # job WORK TASKS [ENGINE SETTING...]: a job file on the W1 pages
+  local work=$1 tasks=$2; shift 2
+  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "$work" --tasks "$tasks" \
     $(for kv in "$@"; do echo --engine "$kv"; done) > /dev/null
 }
 case $STAGE in
@@ -23,17 +24,19 @@ case $STAGE in
     nproc | tee -a "$OUT/gpu.txt"
     python3 scripts/make_pages.py /tmp/w1-pages "${1:-400}" 10 > /dev/null
     python3 scripts/processor_time.py "$MODEL" "$(ls /tmp/w1-pages/*.pdf | head -1)" | tee "$OUT/processor.txt"
-    job /tmp/w1; job /tmp/w1-nothreads frontend_threads=0; job /tmp/w1-shm mm_tensor_ipc=torch_shm
-    step raw-vllm-defaults 280 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16
-    step warmup-w1 200 $B vlbatch --job /tmp/w1/job.yaml --fresh --limit 48 ;;
+    job /tmp/w1 1; job /tmp/w1-nothreads 1 frontend_threads=0; job /tmp/w3 4
+    job /tmp/w1-shm 1 mm_tensor_ipc=torch_shm
+    step raw-vllm-defaults 240 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch)
     step vlbatch-w1 200 $B vlbatch --job /tmp/w1/job.yaml --fresh
     step vlbatch-w1-nothreads 200 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
-  shm)
-    step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh
+  w3)
+    step vlbatch-w3 200 $B vlbatch --job /tmp/w3/job.yaml --fresh
     step raw-vllm-defaults-2 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
+  shm)
+    step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 python3 scripts/bench_ratios.py "$OUT" 2>/dev/null | tee "$OUT/ratios.txt"
-for f in "$OUT"/*.json; do python3 -c "import json,sys; d=json.load(open('$f')); print('$(basename $f)', {k: d.get(k) for k in ('pages','pages_per_s','generation_s','generate_s','engine_start_s','gpu_busy_pct','gpu_busy_pct_window','process_s')})"; done
+for f in "$OUT"/*.json; do python3 -c "import json,sys; d=json.load(open('$f')); print('$(basename $f)', {k: d.get(k) for k in ('pages','pages_per_s','generation_s','generate_s','engine_start_s','gpu_busy_pct','gpu_busy_pct_window','process_s','first_request_processing_s','errors')})"; done
 echo "elapsed $SECONDS s"

@@ -74,11 +74,42 @@ class VllmEngine:
         except Exception as e:  # model not found, out of memory, bad setting, ...
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise JobCannotRunError(f"engine failed to start ({type(e).__name__}): {reason}") from e
-        self.start_seconds = time.monotonic() - started
         self.version = __import__("vllm").__version__
+        self.warm_up_seconds = self.warm_up_input_processing()
+        self.start_seconds = time.monotonic() - started
         log.debug("vLLM %s started in %.1f s (torch threads %d, OMP_NUM_THREADS %s)", self.version,
                   self.start_seconds, __import__("torch").get_num_threads(),
                   os.environ.get("OMP_NUM_THREADS"))
+
+    def warm_up_input_processing(self) -> float:
+        """Process one page-sized request (not added to the engine), on this thread.
+
+        vLLM 0.26's offline LLM builds its multi-modal processor at the first request: 12 s
+        on the H200 host, holding the GIL (docs/benchmarks.md). Several input threads
+        meeting that first request at once each build it, and the run waited 67 s. Done
+        once here, as part of engine start, the threads find it built. The image is random
+        bytes: no page can share its hash, so vLLM's processor cache (which now believes the
+        engine core holds it) never stands in for a real page."""
+        from PIL import Image
+
+        from vlbatch.pipeline.imaging import fit_to_budget
+
+        r, task = self.job.render, self.job.tasks[0]
+        w, h = 1240, 1754  # an A4 page at 150 dpi
+        image = fit_to_budget(Image.frombytes("RGB", (w, h), os.urandom(w * h * 3)),
+                              r.min_pixels, r.max_pixels)
+        request = Request("vlbatch-warm-up", image, task.render_prompt(text_layer=""), task)
+        engine = self.llm.llm_engine
+        started = time.monotonic()
+        try:
+            engine.input_processor.process_inputs(
+                request.request_id, self.vllm_prompt(request), self.sampling_params(task),
+                supported_tasks=engine.get_supported_tasks())
+        except Exception as e:  # e.g. the prompt is too long: that page's row will say so
+            log.debug("input processing warm-up: %s", e)
+        seconds = time.monotonic() - started
+        log.debug("input processing warm-up took %.1f s", seconds)
+        return seconds
 
     @property
     def prompts(self) -> PromptBuilder:
