@@ -162,11 +162,13 @@ def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, writ
     assert (df["status"] == "ok").all() and (df["model"] == "acme/tiny-vl").all()
 
 
-def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job):
+def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, monkeypatch):
     """Pages processed by vlbatch's input threads, several at once, reach the engine as
     vLLM's own processing builds them (a second engine as vLLM ships it, its processor cache
     on): the same prompt token ids, pixel values bit for bit, image grid and placeholder.
     Fails too if vLLM renames the internals the threads use (engine/vllm_frontend.py)."""
+    from concurrent.futures import Future
+
     import torch
     from PIL import Image
 
@@ -198,6 +200,22 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job):
         reference = [engine.input_processor.process_inputs(
             r.request_id, theirs.vllm_prompt(r), theirs.sampling_params(r.task),
             supported_tasks=engine.get_supported_tasks()) for r in requests]
+        # an input thread that fails (a library's race) costs time, not the answer: the
+        # request is processed again on the engine thread
+        prepare = InputFront.prepare
+
+        def failing_prepare(front, request_id, prompt, params):
+            if request_id != requests[1].request_id:
+                return prepare(front, request_id, prompt, params)
+            failed: Future = Future()
+            failed.set_exception(RuntimeError("Already borrowed"))
+            return failed
+
+        monkeypatch.setattr(InputFront, "prepare", failing_prepare)
+        done = list(ours.generate(iter(requests[:3])))
+        assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests[:3])
+        assert all(c.error is None and c.text for c in done), [c.error for c in done]
+        assert ours._thread_failures == {"RuntimeError": 1}
     finally:
         ours.close()
         theirs.close()

@@ -59,6 +59,7 @@ class VllmEngine:
         # the processor may still be loading (a Future) while the engine starts
         self._prompts = prompts
         self._params: dict[str, object] = {}
+        self._thread_failures: dict[str, int] = {}  # exception name: count
         started = time.monotonic()
         try:
             if job.engine.compile_cache_dir is not None:  # read when vLLM is imported
@@ -192,14 +193,30 @@ class VllmEngine:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
         a Completion when it is refused (over-long prompt, bad image, ...)."""
         params = self.sampling_params(request.task)
+        processed = None
+        if prepared is not None:
+            try:
+                processed = prepared.result()
+            except Exception as e:  # processed again below, alone: what fails then is final
+                self._note_thread_failure(e)
         try:
-            if prepared is None:
-                engine.add_request(request.request_id, self.vllm_prompt(request), params)
-            else:
-                engine.add_request(request.request_id, prepared.result(), params)
+            engine.add_request(request.request_id,
+                               processed if processed is not None else self.vllm_prompt(request),
+                               params)
         except Exception as e:
             return Completion(request.request_id, None, f"request rejected: {e}", rejected=True)
         return None
+
+    def _note_thread_failure(self, error: Exception) -> None:
+        """An input thread's failure; the request is processed again on the stepping thread.
+        A bad request (an over-long prompt: vLLM's ValueError) fails there too and is
+        refused; a failure of the threads themselves (a race in a library) costs time, not
+        answers: the first of each other kind is logged."""
+        kind = type(error).__name__
+        if kind not in self._thread_failures and not isinstance(error, ValueError):
+            log.warning("input thread failed (%s: %s); processing such requests again on "
+                        "the engine thread", kind, str(error)[:200])
+        self._thread_failures[kind] = self._thread_failures.get(kind, 0) + 1
 
     @staticmethod
     def _completion(out) -> Completion:
