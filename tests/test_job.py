@@ -80,6 +80,12 @@ def test_prompt_placeholders_by_name_other_braces_literal():
     assert out == 'Return {"a": 1, "b": [{}]} for x.pdf p3: HELLO {other}'
 
 
+def test_prompt_placeholders_in_one_pass_a_text_layer_is_not_rewritten():
+    task = Task(name="t", prompt="{text_layer} / {source} p{page}")
+    out = task.render_prompt(text_layer="Form {page} of {source}", source="a.pdf", page=2)
+    assert out == "Form {page} of {source} / a.pdf p2"
+
+
 def test_task_fingerprint_changes_with_prompt_and_sampling_not_name():
     base = Task(name="a", prompt="p")
     assert base.fingerprint() == Task(name="b", prompt="p").fingerprint()

@@ -155,6 +155,22 @@ def test_limit_counts_pages_in_input_order(samples, write_job):
     assert stats.pages_already_done == 2 and stats.pages_todo == 2
 
 
+def test_a_symlinked_input_gets_rows_of_its_own_copied_not_generated(samples, write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    shutil.copy(samples / "report.pdf", docs / "report.pdf")
+    (docs / "latest.pdf").symlink_to(docs / "report.pdf")
+    job = write_job(job_fields("fake-model", [f"{docs}/*.pdf", f"{docs}/report.pdf"]))
+    stats, engine = run(job)
+    df = results(job)
+    by_source = df.group_by("source").len().sort("source")
+    assert by_source["source"].to_list() == [f"{docs}/latest.pdf", f"{docs}/report.pdf"]
+    assert by_source["len"][0] == by_source["len"][1] > 0  # each path once, two globs or not
+    assert (df["status"] == "ok").all()
+    copies = df.filter(pl.col("reused_from").is_not_null())
+    assert copies.height == df.height // 2 and len(engine.requests) == df.height // 2
+
+
 def test_no_inputs_is_exit_3(write_job):
     with pytest.raises(JobCannotRunError, match="no inputs matched"):
         run(write_job(job_fields("fake-model", ["nothing/*.pdf"])))

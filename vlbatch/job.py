@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -19,6 +20,7 @@ from vlbatch.errors import JobFileError
 
 # Placeholders a prompt may use; any other brace is literal text (prompts often hold JSON).
 PROMPT_PLACEHOLDERS = ("text_layer", "source", "page")
+_PLACEHOLDER = re.compile("{(" + "|".join(PROMPT_PLACEHOLDERS) + ")}")
 
 
 class _Strict(BaseModel):
@@ -38,12 +40,10 @@ class Task(_Strict):
                              "model says (benchmarks force a fixed output length with it).")
 
     def render_prompt(self, **values: object) -> str:
-        """Substitute the known {placeholders} by name; leave every other brace as it is."""
-        text = self.prompt
-        for key in PROMPT_PLACEHOLDERS:
-            if key in values:
-                text = text.replace("{" + key + "}", str(values[key]))
-        return text
+        """Substitute the known {placeholders} by name, in one pass (a text layer that says
+        "{page}" stays as it is); leave every other brace as it is."""
+        return _PLACEHOLDER.sub(
+            lambda m: str(values[m[1]]) if m[1] in values else m[0], self.prompt)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes this task's answers (prompt and sampling)."""

@@ -24,7 +24,11 @@ def file_sha256(path: str) -> str:
 
 
 def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:
-    """(path as matched, absolute path) for every file the globs match, sorted, once each."""
+    """(path as matched, absolute path) for every file the globs match, sorted, once each.
+
+    Once each by absolute path, symlinks not resolved: a link and the file it points to
+    are two inputs with rows of their own (their pages are exact copies, so the second is
+    copied from the first, not generated again); two globs matching one path give it once."""
     found: dict[str, str] = {}
     for pattern in patterns:
         if os.path.isabs(pattern):
@@ -34,7 +38,7 @@ def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:
                        for m in glob.glob(pattern, root_dir=base_dir, recursive=True)]
         for shown, absolute in matches:
             if os.path.isfile(absolute):
-                found.setdefault(os.path.realpath(absolute), shown)
+                found.setdefault(os.path.normpath(os.path.abspath(absolute)), shown)
     return sorted(((shown, real) for real, shown in found.items()), key=lambda p: p[0])
 
 
