@@ -61,6 +61,36 @@ def test_rerun_new_task_changed_prompt_and_cache(samples, write_job, tmp_path):
     assert (joined["output"] == joined["output_right"]).all()
 
 
+def test_result_cache_keys_hold_the_model_and_its_numerics(samples, tmp_path):
+    """A dummy-weights run never serves a real one, a dtype change regenerates, and two job
+    folders whose `models/x` differ never share answers (the same files do)."""
+    import json
+    import yaml
+
+    def folder_job(name: str, config: dict, **engine) -> Path:
+        folder = tmp_path / name
+        (folder / "models" / "x").mkdir(parents=True)
+        (folder / "models" / "x" / "config.json").write_text(json.dumps(config))
+        fields = job_fields("models/x", [f"{samples}/*.pdf"], output="out",
+                            cache=str(tmp_path / "shared-cache"))
+        fields["engine"].update(engine)
+        (folder / "job.yaml").write_text(yaml.safe_dump(fields))
+        return folder / "job.yaml"
+
+    real = folder_job("a", {"hidden_size": 8})
+    stats, engine = run(folder_job("a-dummy", {"hidden_size": 8}, load_format="dummy"))
+    generated = len(engine.requests)
+    assert generated > 0
+    stats, engine = run(real)  # same files, real weights: nothing from the dummy run
+    assert stats.cache_hits == 0 and len(engine.requests) == generated
+    stats, engine = run(folder_job("a-copy", {"hidden_size": 8}))  # same files elsewhere
+    assert stats.cache_hits == generated and len(engine.requests) == 0
+    stats, engine = run(folder_job("a-half", {"hidden_size": 8}, dtype="float16"))
+    assert stats.cache_hits == 0 and len(engine.requests) == generated
+    stats, engine = run(folder_job("b", {"hidden_size": 16}))  # another models/x
+    assert stats.cache_hits == 0 and len(engine.requests) == generated
+
+
 def test_changed_source_file_is_generated_again(samples, write_job):
     job = write_job(job_fields("fake-model", [f"{samples}/*.png"], result_cache=False))
     run(job)

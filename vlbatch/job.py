@@ -105,6 +105,8 @@ class EngineSettings(_Strict):
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=64)
     dtype: str = "auto"
+    quantization: str | None = Field(default=None, description="vLLM's quantization method, "
+                                     "e.g. 'fp8' (online); None: what the model's config says.")
     tensor_parallel_size: int = Field(default=1, ge=1)
     load_format: str = Field(default="auto", description="'dummy': the real architecture with "
                              "random weights (benchmarks).")

@@ -39,7 +39,7 @@ def engine_kwargs(job: Job) -> dict:
     )
     optional = dict(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
                     max_num_batched_tokens=e.max_num_batched_tokens,
-                    enable_prefix_caching=e.enable_prefix_caching)
+                    enable_prefix_caching=e.enable_prefix_caching, quantization=e.quantization)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if e.frontend_threads:  # its LRU is not for concurrent use (vllm_frontend.py)
         kwargs["mm_processor_cache_gb"] = 0

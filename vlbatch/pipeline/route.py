@@ -24,11 +24,13 @@ from vlbatch.engine.base import Completion
 from vlbatch.job import Job, Task
 from vlbatch.pipeline.dedupe import Deduper, Relation
 from vlbatch.pipeline.ingest import RenderedPage
+from vlbatch.pipeline.identity import model_identity
 from vlbatch.pipeline.render import FileTimeBudget, RenderFailure, cost_of
 
 
 def request_key(namespace: str, content_hash: str, model: str, prompt: str, task: Task) -> str:
-    """What makes two requests the same: pixels, model, prompt as sent, sampling settings."""
+    """What makes two requests the same: pixels, model (`model_identity`: its files and the
+    settings that change its numerics), prompt as sent, sampling settings."""
     parts = [namespace, content_hash, model, prompt, task.fingerprint()]
     return "result:" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
@@ -63,6 +65,7 @@ class Router:
         self.job, self.deduper, self.results = job, deduper, results  # results: a ResultCache
         self.budget = FileTimeBudget(job.render.file_timeout_s)
         self.sent: dict[str, str] = {}  # request key -> the page it was sent for
+        self.model = model_identity(job)
 
     def route(self, source: str, page: int, tasks: Iterable[Task],
               outcome: RenderedPage | RenderFailure) -> RoutedPage | RenderFailure:
@@ -80,7 +83,7 @@ class Router:
     def _route_task(self, task: Task, canonical: str, text_layer: str | None, source: str,
                     page: int) -> TaskRoute:
         prompt = task.render_prompt(text_layer=text_layer or "", source=source, page=page)
-        key = request_key(self.job.cache_namespace, canonical, self.job.model, prompt, task)
+        key = request_key(self.job.cache_namespace, canonical, self.model, prompt, task)
         if key in self.sent:
             return TaskRoute(task, key, "copy", origin=self.sent[key])
         hit = self.results.get(key) if self.results is not None else None
