@@ -3,9 +3,10 @@
 # vlbatch end to end, W1, each run its own process, GPU busy sampled (nvidia-smi).
 #   bash scripts/gpu_frontend.sh raw [PAGES]    set-up; raw as shipped (16-page warm-up in
 #                                               its engine)
-#   bash scripts/gpu_frontend.sh vlbatch        vlbatch W1 with input threads (the default),
-#                                               then without (frontend_threads 0)
-#   bash scripts/gpu_frontend.sh w3             vlbatch W3 (4 tasks a page); raw W1 again
+#   bash scripts/gpu_frontend.sh vlbatch        vlbatch W1 with input threads (the default)
+#   bash scripts/gpu_frontend.sh nothreads      vlbatch W1 without (frontend_threads 0)
+#   bash scripts/gpu_frontend.sh w3             vlbatch W3 (4 tasks a page)
+#   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm
 # Results as JSON under $OUT; ratios: python3 scripts/bench_ratios.py $OUT.
 set -uo pipefail
@@ -26,13 +27,11 @@ case $STAGE in
     python3 scripts/processor_time.py "$MODEL" "$(ls /tmp/w1-pages/*.pdf | head -1)" | tee "$OUT/processor.txt"
     job /tmp/w1 1; job /tmp/w1-nothreads 1 frontend_threads=0; job /tmp/w3 4
     job /tmp/w1-shm 1 mm_tensor_ipc=torch_shm
-    step raw-vllm-defaults 240 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
-  vlbatch)
-    step vlbatch-w1 200 $B vlbatch --job /tmp/w1/job.yaml --fresh
-    step vlbatch-w1-nothreads 200 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
-  w3)
-    step vlbatch-w3 200 $B vlbatch --job /tmp/w3/job.yaml --fresh
-    step raw-vllm-defaults-2 200 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
+    step raw-vllm-defaults 220 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
+  vlbatch) step vlbatch-w1 180 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
+  nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
+  w3) step vlbatch-w3 150 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
+  raw-again) step raw-vllm-defaults-2 160 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;

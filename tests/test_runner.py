@@ -4,6 +4,7 @@ changed tasks, duplicates, the result cache, failures and the error budget."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -111,6 +112,53 @@ def test_corrupt_cache_entry_is_recomputed(samples, write_job, tmp_path):
         cache.set(keys[0], b"\xff not json")
     stats, engine = run(job, output=str(tmp_path / "out2"))
     assert len(engine.requests) == 1 and stats.cache_corrupt == 1 and stats.cache_hits == 1
+
+
+class _Planted:
+    """Unpickling it leaves a file behind: what a hostile entry in a shared cache could do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_pickled_cache_entries_are_never_loaded(samples, write_job, tmp_path):
+    import diskcache
+
+    job = write_job(job_fields("fake-model", [f"{samples}/chart.jpg"]))
+    run(job)
+    marker = tmp_path / "unpickled"
+    for name in ("results", "features"):  # what diskcache's own Disk writes for an object
+        with diskcache.Cache(str(tmp_path / "cache" / name)) as cache:
+            for key in list(cache.iterkeys()):
+                cache.set(key, _Planted(str(marker)))
+    stats, engine = run(job, output=str(tmp_path / "out2"))
+    assert not marker.exists()
+    assert len(engine.requests) == 2 and stats.cache_hits == 0 and stats.cache_corrupt >= 2
+    assert (results(job, "out2")["status"] == "ok").all()
+    stats, engine = run(job, output=str(tmp_path / "out3"))  # recomputed entries serve again
+    assert stats.cache_hits == 2 and len(engine.requests) == 0
+
+
+def test_a_failing_index_writer_ends_the_run_with_one_clear_reason(samples, write_job, monkeypatch,
+                                                                 tmp_path):
+    import json
+    import sqlite3
+
+    from vlbatch.pipeline.cache import FeatureCache
+
+    def full_disk(self, pages):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(FeatureCache, "_write_index", full_disk)
+    job = write_job(job_fields("fake-model", [f"{samples}/*"]))
+    with pytest.raises(JobCannotRunError, match="dedupe index .* could not be written: "
+                                                "OperationalError: database or disk is full"):
+        run(job)
+    manifest = json.loads(next((tmp_path / "out" / "_runs").glob("*.json")).read_text())
+    assert manifest["status"] == "failed"
 
 
 def test_bad_files_become_error_rows_and_the_run_goes_on(write_job, tmp_path):

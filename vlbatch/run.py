@@ -89,7 +89,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
         if on_start is not None:
             on_start(stats)
         lap = _Laps(stats.timings)
-        features, plan, status = None, None, "failed"
+        features, plan, status, closing_error = None, None, "failed", None
         background = ThreadPoolExecutor(1, thread_name_prefix="vlbatch-load")
         try:
             sources = scope.find_sources(job)
@@ -118,12 +118,17 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             for opened in (results, features):
                 if opened is not None:
                     stats.cache_corrupt += opened.corrupt
-                    opened.close()
+                    try:
+                        opened.close()
+                    except JobCannotRunError as e:  # said after the manifest is written
+                        status, closing_error = "failed", e
             lap("finish_s")
             stats.seconds = round(time.monotonic() - started, 2)
             stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
             output.write_manifest(run_id, _manifest(job, stats, status, plan, sink.engine_version,
                                                     limit, retry_errors))
+    if closing_error is not None:
+        raise closing_error
     rate = stats.pages_with_errors / stats.pages_todo if stats.pages_todo else 0.0
     if rate > job.max_error_rate:
         raise ErrorBudgetExceeded(

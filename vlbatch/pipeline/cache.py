@@ -11,9 +11,34 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from functools import lru_cache
 from pathlib import Path
 
 from vlbatch.errors import JobCannotRunError
+
+
+class PickledEntry(Exception):
+    """A cache entry (or key) stored as pickle: vlbatch never writes one, and never loads one."""
+
+
+@lru_cache(maxsize=1)
+def _no_pickle_disk():
+    """diskcache's Disk, less unpickling: diskcache's own Disk unpickles a pickled entry on
+    read, so a shared cache folder that someone else wrote into could run their code."""
+    import diskcache
+
+    class NoPickleDisk(diskcache.Disk):
+        def fetch(self, mode, filename, value, read):
+            if mode == diskcache.core.MODE_PICKLE:
+                raise PickledEntry
+            return super().fetch(mode, filename, value, read)
+
+        def get(self, key, raw):
+            if not raw:
+                raise PickledEntry
+            return super().get(key, raw)
+
+    return NoPickleDisk
 
 
 def _open_cache(folder: Path, name: str, size_limit_gib: float):
@@ -23,7 +48,7 @@ def _open_cache(folder: Path, name: str, size_limit_gib: float):
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         return diskcache.Cache(str(Path(folder) / name), size_limit=int(size_limit_gib * 2**30),
-                               eviction_policy="least-recently-used")
+                               eviction_policy="least-recently-used", disk=_no_pickle_disk())
     except Exception as e:
         raise JobCannotRunError(f"cache folder {folder} is not usable: {e}") from None
 
@@ -34,8 +59,17 @@ class _JsonEntries:
 
     corrupt = 0
 
+    def _raw(self, key: str):
+        """The stored bytes, or None; a pickled entry is dropped and counted, not loaded."""
+        try:
+            return self._cache.get(key)
+        except PickledEntry:
+            self.corrupt += 1
+            self._cache.delete(key)
+            return None
+
     def _json(self, key: str, valid=lambda value: True):
-        raw = self._cache.get(key)
+        raw = self._raw(key)
         if raw is None:
             return None
         try:
@@ -72,12 +106,15 @@ class FeatureCache(_JsonEntries):
 
     MAX_BAND_MEMBERS = 64
     WRITE_BATCH = 64  # pages indexed in one transaction, at most
+    MAX_PENDING = 4096  # pages waiting for the index writer, at most (add() waits beyond)
 
     def __init__(self, folder: Path, size_limit_gib: float = 20.0, index_in_background: bool = True):
         self.corrupt = 0
         self.index_in_background = index_in_background
-        self._pending: queue.Queue = queue.Queue()
+        self._pending: queue.Queue = queue.Queue(maxsize=self.MAX_PENDING)
         self._writer: threading.Thread | None = None
+        self.write_error: str | None = None  # why the index writer stopped writing
+        self.folder = Path(folder)
         self._cache = _open_cache(folder, "features", size_limit_gib)
         # nothing from earlier runs to search: this run's pages are in the dedupe's memory
         self.empty_at_open = len(self._cache) == 0
@@ -90,7 +127,7 @@ class FeatureCache(_JsonEntries):
         meta = self._json(key)
         if not isinstance(meta, dict) or "content_hash" not in meta:
             return None
-        png = self._cache.get("image:" + meta["content_hash"])
+        png = self._raw("image:" + meta["content_hash"])
         return (meta, png) if isinstance(png, bytes) else None
 
     def has_page(self, key: str) -> bool:
@@ -106,7 +143,7 @@ class FeatureCache(_JsonEntries):
 
         from PIL import Image
 
-        png = self._cache.get("image:" + content_hash)
+        png = self._raw("image:" + content_hash)
         text = self._json("text:" + content_hash)
         if not isinstance(png, bytes):
             return None
@@ -147,7 +184,18 @@ class FeatureCache(_JsonEntries):
             self._writer = threading.Thread(target=self._write_loop, name="vlbatch-index",
                                             daemon=True)
             self._writer.start()
-        self._pending.put(page)
+        while True:
+            self._check_writer()
+            try:
+                self._pending.put(page, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _check_writer(self) -> None:
+        if self.write_error is not None:
+            raise JobCannotRunError(f"the dedupe index in {self.folder} could not be "
+                                    f"written: {self.write_error}")
 
     def _write_loop(self) -> None:
         """Write what is queued in batches, one transaction each: a band shared by the
@@ -160,9 +208,12 @@ class FeatureCache(_JsonEntries):
                 except queue.Empty:
                     break
             pages = [page for page in batch if page is not None]  # None: close() ends the queue
-            if pages:
-                self._write_index(pages)
-            if batch[-1] is None:
+            if pages and self.write_error is None:
+                try:
+                    self._write_index(pages)
+                except Exception as e:  # disk full, a broken database: the run ends, saying so
+                    self.write_error = f"{type(e).__name__}: {e}"
+            if batch[-1] is None:  # after an error the queue is still drained, so nothing waits
                 return
 
     def _write_index(self, pages: list[tuple[str, str, tuple[str, ...], str | None]]) -> None:
@@ -183,11 +234,13 @@ class FeatureCache(_JsonEntries):
                         [h if p is None else [h, p] for h, p in members]).encode())
 
     def close(self) -> None:
+        """Finish the index writes; JobCannotRunError if the writer could not write them."""
         if self._writer is not None:
             self._pending.put(None)
             self._writer.join()
             self._writer = None
         self._cache.close()
+        self._check_writer()
 
 
 def cache_stats(folder: Path) -> list[dict]:
