@@ -56,6 +56,47 @@ def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
     assert summary["generated"] + summary["cache_hits"] + summary["copied"] == second.height
 
 
+def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model, write_job,
+                                                                    tmp_path):
+    """A real SIGTERM mid-run: exit 143, every answer finished so far written (though no
+    part was due), manifest 'interrupted'; the next run does only the rest, each key once."""
+    import diskcache
+
+    make_pages.main(tmp_path / "docs", 24, per_pdf=8)
+    fields = job_fields(tiny_model, ["docs/*.pdf"], part_rows=10_000, part_seconds=600)
+    fields["engine"]["max_in_flight"] = 1  # one request at a time: a window to stop in
+    for task in fields["tasks"]:
+        task["max_tokens"] = 24
+    job = write_job(fields)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "vlbatch", "run", str(job)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    answers = tmp_path / "cache" / "results"
+    deadline = time.monotonic() + 300
+    seen = 0
+    while seen < 6 and proc.poll() is None:  # answers reach the result cache as they finish
+        assert time.monotonic() < deadline, "no answers appeared"
+        time.sleep(0.1)
+        if answers.exists():
+            with diskcache.Cache(str(answers)) as cache:
+                seen = len(cache)
+    assert not list((out / "results").glob("part-*.parquet")), "a part was written early"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr
+    first = pl.read_parquet(out / "results" / "part-*.parquet")
+    assert seen <= first.height < 48 and (first["status"] == "ok").all()
+    manifest = json.loads(next((out / "_runs").glob("*.json")).read_text())
+    assert manifest["status"] == "interrupted"
+
+    resumed = run_cli("run", str(job))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    df = pl.read_parquet(out / "results" / "part-*.parquet")
+    assert df.height == 48 and not df.select(KEY).is_duplicated().any()
+    assert (df["status"] == "ok").all()
+
+
 def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()

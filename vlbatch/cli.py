@@ -1,13 +1,16 @@
 """The command line. The only place that prints errors and chooses exit codes (DESIGN.md):
-0 ran, 2 usage/job-file error, 3 could not run, 4 error budget exceeded, 75 output locked."""
+0 ran, 2 usage/job-file error, 3 could not run, 4 error budget exceeded, 75 output locked,
+128 + N stopped by signal N (143 SIGTERM, 130 SIGINT, 129 SIGHUP)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
-from vlbatch.errors import VlbatchError
+from vlbatch.errors import RunInterrupted, VlbatchError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Folders of PDFs and images -> Parquet tables of VLM answers (vLLM).")
@@ -42,10 +45,31 @@ def _setup_logging(debug: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@contextmanager
+def _signals_stop_the_run():
+    """SIGTERM, SIGINT and SIGHUP (kill, Ctrl-C, systemctl stop, a closed terminal) stop
+    the run where the main thread is: it stops feeding, writes the finished rows and the
+    manifest ('interrupted') and exits 128 + the signal. A second signal exits at once."""
+    caught: list[int] = []
+
+    def stop(signum, frame):
+        if caught:
+            os._exit(128 + signum)
+        caught.append(signum)
+        raise RunInterrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _fail(error: BaseException, debug: bool) -> None:
     if debug:
         err_console.print_exception()
-    if isinstance(error, VlbatchError):
+    if isinstance(error, (VlbatchError, RunInterrupted)):
         err_console.print(f"vlbatch: {error}", markup=False, highlight=False)
         raise typer.Exit(error.exit_code)
     err_console.print(f"vlbatch: internal error: {type(error).__name__}: {error}",
@@ -72,7 +96,7 @@ def run(
 
     try:
         job = load_job(job_file, output=output, cache=cache_dir)
-        with ProgressReporter(err_console) as progress:
+        with _signals_stop_the_run(), ProgressReporter(err_console) as progress:
             started: list = []  # the run's stats, once it has them
             try:
                 stats = run_job(job, limit=limit, retry_errors=retry_errors, progress=progress,
@@ -80,7 +104,7 @@ def run(
             finally:
                 if started:
                     progress(started[0], force=True)
-    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the CLI is where errors end
+    except (Exception, KeyboardInterrupt, RunInterrupted) as e:  # noqa: BLE001 - errors end here
         _fail(e, debug)
         return
     out_console.print(summary_table(stats))

@@ -32,3 +32,18 @@ class OutputLocked(VlbatchError):
     """Another live run holds this output folder's lock (EX_TEMPFAIL: try later)."""
 
     exit_code = 75
+
+
+class RunInterrupted(BaseException):
+    """A signal (SIGTERM, SIGINT, SIGHUP) stopped the run. Finished rows are written and the
+    manifest says 'interrupted'; the next run does the rest. A BaseException, as
+    KeyboardInterrupt is, so no `except Exception` on the way turns it into another error.
+    Exit code 128 + the signal's number (143, 130, 129), as shells report a signal."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}: finished rows are "
+                         f"written; the next run does the rest")

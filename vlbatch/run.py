@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from vlbatch import __version__
 from vlbatch.engine.base import GenerationEngine
 from vlbatch.engine.vllm_engine import start_vllm_engine
-from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError
+from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError, RunInterrupted
 from vlbatch.executor.context import RunContext
 from vlbatch.job import Job
 from vlbatch.pipeline import scope
@@ -111,6 +111,9 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                                          engine_factory, lap)
                     _executor(job, engine_factory).run(context, plan.renderable, sink)
             status = "finished"
+        except RunInterrupted:
+            status = "interrupted"
+            raise
         finally:
             background.shutdown(wait=False)
             lap()

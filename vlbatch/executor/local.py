@@ -148,6 +148,8 @@ class LocalExecutor:
             finished = True
         finally:
             stop.set()
+            if not finished:  # interrupted or failed: keep what is already finished
+                self._keep_finished(events, sink)
             if not engine.done():
                 engine.set_exception(_Stopped())
             if loop is not None:
@@ -155,6 +157,22 @@ class LocalExecutor:
                 loop.engine.close()
             for thread in threads:
                 thread.join(timeout=10)
+
+    @staticmethod
+    def _keep_finished(events: queue.Queue, sink: RunSink) -> None:
+        """Rows for the pages and answers already handed to the main thread; what is still
+        in the engine is left for the next run (no error rows: they would count as done)."""
+        while True:
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                return
+            if event[0] == "page":
+                sink.page_routed(*event[1:])
+            elif event[0] == "done":
+                sink.completed(event[1])
+            elif event[0] == "failed":
+                sink.page_failed(*event[1:])
 
     @staticmethod
     def _start(ctx: RunContext, sink: RunSink, engine: Future) -> EngineLoop:
