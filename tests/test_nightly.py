@@ -41,9 +41,15 @@ def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     first = pl.read_parquet(results / "part-*.parquet")
     assert 0 < first.height < 80 and (tmp_path / "out" / ".lock").exists()
+    pages = pl.read_parquet(tmp_path / "out" / "pages" / "part-*.parquet")
+    assert first.join(pages, on=["source", "page"], how="anti").height == 0  # pages go first
+    stale = [results / ".part-dead-00009.parquet.tmp", tmp_path / "out" / "_runs" / ".dead.json.tmp"]
+    for path in stale:  # what a death mid-write leaves
+        path.write_bytes(b"PAR1 half")
 
     resumed = run_cli("run", str(job))  # the dead run's lock is taken over
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert not any(path.exists() for path in stale)
     df = pl.read_parquet(results / "part-*.parquet")
     assert df.height == 80 and not df.select(KEY).is_duplicated().any()  # each key once
     assert (df["status"] == "ok").all()

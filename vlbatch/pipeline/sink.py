@@ -111,10 +111,11 @@ class RunSink:
         self.stats = RunStats(run_id=run_id)
         self.engine_version: str | None = None  # the engine that answered, as it reports it
         self.progress = progress or (lambda stats: None)
-        self.results = PartWriter(output.results, run_id, RESULT_SCHEMA, job.part_rows,
-                                  job.part_seconds)
         self.pages = PartWriter(output.pages, run_id, PAGE_SCHEMA, job.part_rows,
                                 job.part_seconds)
+        # pages first: a reader never sees a result row whose page row is not there yet
+        self.results = PartWriter(output.results, run_id, RESULT_SCHEMA, job.part_rows,
+                                  job.part_seconds, before_flush=self.pages.flush)
         self.book = AnswerBook(results)
         self.pending: dict[str, _Row] = {}  # request key -> the row its answer goes to
         self.unseen: dict[int, PageUnit] = {}  # planned pages without a page row yet
@@ -187,8 +188,7 @@ class RunSink:
             self.page_failed(unit, RenderFailure(reason, reason))
 
     def close(self) -> None:
-        self.results.flush()
-        self.pages.flush()
+        self.results.flush()  # the pages with it
 
     # ----- rows -----
     def _copy_row(self, row: _Row, answer: Completion, origin: str) -> None:

@@ -65,8 +65,9 @@ class PartWriter:
     """Buffers rows and writes them as a new part every `max_rows` rows or `max_seconds`."""
 
     def __init__(self, folder: Path, run_id: str, schema: pa.Schema,
-                 max_rows: int = 1000, max_seconds: float = 30.0):
+                 max_rows: int = 1000, max_seconds: float = 30.0, before_flush=None):
         self.folder, self.run_id, self.schema = folder, run_id, schema
+        self.before_flush = before_flush  # called first at every flush (another writer's)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self.rows: list[dict] = []
         self.seq = 0
@@ -78,6 +79,10 @@ class PartWriter:
             self.flush()
 
     def flush(self) -> None:
+        """A new part with the rows so far, durable once this returns: the file synced before
+        its rename, and its folder after (else a power cut can lose the rename)."""
+        if self.before_flush is not None:
+            self.before_flush()
         self.last_flush = time.monotonic()
         if not self.rows:
             return
@@ -85,11 +90,20 @@ class PartWriter:
         name = f"part-{self.run_id}-{self.seq:05d}.parquet"
         tmp = self.folder / f".{name}.tmp"  # a leading dot: readers skip it
         pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / name)
+        _replace_durably(tmp, self.folder / name)
         self.seq += 1
         self.rows = []
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 class OutputFolder:
@@ -124,9 +138,19 @@ class OutputFolder:
                 raise OutputLocked(f"another run holds {path} ({holder}); try again later") from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}".encode(), 0)
+            self.remove_stale_temporaries()
             yield
         finally:
             os.close(fd)  # closing releases the flock
+
+    def remove_stale_temporaries(self) -> int:
+        """Half-written parts and manifests of a run that died mid-write (only with the
+        lock held: no live run is writing them)."""
+        stale = [*self.results.glob(".part-*.tmp"), *self.pages.glob(".part-*.tmp"),
+                 *self.runs.glob(".*.json.tmp")]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
 
     def part_files(self, kind: str = "results") -> list[Path]:
         return sorted((self.root / kind).glob("part-*.parquet"))
@@ -146,5 +170,5 @@ class OutputFolder:
         path = self.runs / f"{run_id}.json"
         tmp = self.runs / f".{run_id}.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=2, default=str))
-        os.replace(tmp, path)
+        _replace_durably(tmp, path)
         return path
