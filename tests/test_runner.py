@@ -195,13 +195,42 @@ def test_engine_death_mid_run_gives_error_rows(samples, write_job):
     assert df.filter(pl.col("status") == "error")["error"].str.starts_with("engine failed").all()
 
 
-def test_rejected_request_is_an_error_row(samples, write_job):
+def test_transient_errors_are_retried_by_the_next_runs_up_to_max_attempts(samples, write_job):
+    job = write_job(job_fields("fake-model", [f"{samples}/*"], result_cache=False, max_attempts=3))
+    stats, engine = run(job, engine=FakeEngine(fail_after=4))
+    failed = results(job).filter(pl.col("status") == "error")
+    assert failed.height > 0 and stats.rows_transient == failed.height
+    assert (failed["error_kind"] == "transient").all() and (failed["attempt"] == 1).all()
+    stats, engine = run(job)  # no --retry-errors: the engine's death was not the pages' fault
+    assert len(engine.requests) == failed.height - stats.copied and stats.rows_error == 0
+    current = results(job).sort("finished_at").group_by("source", "page", "task").last()
+    assert (current["status"] == "ok").all() and current.height == 14
+    retried = current.join(failed.select("source", "page", "task"), on=["source", "page", "task"])
+    assert (retried["attempt"] == 2).all() and retried.height == failed.height
+
+    out2 = str(job.parent / "out2")
+    stats, engine = run(job, engine=FakeEngine(fail_after=0), output=out2)  # never answers
+    for attempt in (2, 3):
+        stats, engine = run(job, engine=FakeEngine(fail_after=0), output=out2)
+        assert stats.pages_todo == 7 and stats.rows_transient == 14
+        assert (results(job, "out2").filter(pl.col("attempt") == attempt).height == 14)
+    stats, engine = run(job, engine=FakeEngine(fail_after=0), output=out2)
+    assert stats.pages_todo == 0  # max_attempts used up: only --retry-errors goes on
+    stats, engine = run(job, output=out2, retry_errors=True)
+    assert stats.rows_ok == 14 and (results(job, "out2")["attempt"].max() == 4)
+
+
+def test_rejected_request_is_a_permanent_error_row(samples, write_job):
     fields = job_fields("fake-model", [f"{samples}/chart.jpg"])
     fields["tasks"][1]["prompt"] = "LONG " * 5
     job = write_job(fields)
     stats, engine = run(job, engine=FakeEngine(reject="LONG"))
     df = results(job).sort("task")
-    assert df["status"].to_list() == ["ok", "error"]
+    assert df["status"].to_list() == ["ok", "error"] and df["error_kind"].to_list() == [None, "permanent"]
+    stats, engine = run(job, engine=FakeEngine(reject="LONG"))
+    assert stats.pages_todo == 0  # the same prompt is as long tomorrow
+    stats, engine = run(job, engine=FakeEngine(reject="LONG"), retry_errors=True)
+    assert len(engine.requests) == 1 and results(job)["attempt"].max() == 2
 
 
 def test_error_budget_and_retry_errors(write_job, tmp_path):

@@ -139,20 +139,23 @@ def inspect(
     current = report["current"]
     if current:
         out_console.print(f"current rows: {current['rows']} ({current['ok']} ok, {current['error']} "
-                          f"error) over {current['pages']} pages of {current['sources']} sources; "
-                          f"{report['rows_written']} rows written in all")
+                          f"error, {current['transient']} of them transient: the next run "
+                          f"retries those) over {current['pages']} pages of "
+                          f"{current['sources']} sources; {report['rows_written']} rows "
+                          f"written in all")
         tasks = Table(title="current rows by task", title_justify="left")
-        for column in ("task", "status", "rows"):
+        for column in ("task", "status", "error kind", "rows"):
             tasks.add_column(column)
         for row in report["by_task"]:
-            tasks.add_row(row["task"], row["status"], str(row["len"]))
+            tasks.add_row(row["task"], row["status"], row["error_kind"] or "", str(row["len"]))
         out_console.print(tasks)
     if report["top_errors"]:
         errors = Table(title="top error reasons", title_justify="left")
         errors.add_column("rows", justify="right")
+        errors.add_column("kind")
         errors.add_column("error")
         for row in report["top_errors"]:
-            errors.add_row(str(row["rows"]), row["error"])
+            errors.add_row(str(row["rows"]), row["error_kind"] or "", row["error"])
         out_console.print(errors)
 
 

@@ -9,11 +9,20 @@ from pathlib import Path
 from vlbatch.errors import JobCannotRunError
 
 
-def current_rows(results_glob: str):
-    """The current answer for every page x task: its newest row (the README's query)."""
+def scan_results(results_glob: str):
+    """The results parts as one polars LazyFrame, in the current schema: parts written
+    before a column existed (`attempt`, `error_kind`) read it as null."""
     import polars as pl
 
-    return (pl.scan_parquet(results_glob).sort("finished_at")
+    from vlbatch.pipeline.write import RESULT_SCHEMA
+
+    schema = pl.from_arrow(RESULT_SCHEMA.empty_table()).schema
+    return pl.scan_parquet(results_glob, schema=schema, missing_columns="insert")
+
+
+def current_rows(results_glob: str):
+    """The current answer for every page x task: its newest row (the README's query)."""
+    return (scan_results(results_glob).sort("finished_at")
             .group_by("source", "page", "task").last().collect())
 
 
@@ -35,23 +44,27 @@ def inspect_output(root: Path) -> dict:
                      "finished_at": manifest.get("finished_at"), "pages": s.get("pages_finished"),
                      "generated": s.get("generated"), "cache_hits": s.get("cache_hits"),
                      "copied": s.get("copied"), "rows_ok": s.get("rows_ok"),
-                     "rows_error": s.get("rows_error"), "seconds": s.get("seconds"),
+                     "rows_error": s.get("rows_error"),
+                     "rows_transient": s.get("rows_transient"), "seconds": s.get("seconds"),
                      "pages_per_s": s.get("pages_per_s")})
     report: dict = {"output": str(root), "runs": runs, "rows_written": 0, "current": {},
                     "by_task": [], "top_errors": [], "pages": 0}
     if not list((root / "results").glob("part-*.parquet")):
         return report
     glob = str(root / "results" / "part-*.parquet")
-    report["rows_written"] = pl.scan_parquet(glob).select(pl.len()).collect().item()
+    report["rows_written"] = scan_results(glob).select(pl.len()).collect().item()
     current = current_rows(glob)
     report["current"] = {"rows": current.height,
                          "ok": current.filter(pl.col("status") == "ok").height,
                          "error": current.filter(pl.col("status") == "error").height,
+                         # the next run retries these by itself (failures.py)
+                         "transient": current.filter(pl.col("error_kind") == "transient").height,
                          "sources": current["source"].n_unique(),
                          "pages": current.select("source", "page").unique().height}
-    report["by_task"] = (current.group_by("task", "status").len().sort("task", "status")
-                         .to_dicts())
+    report["by_task"] = (current.group_by("task", "status", "error_kind").len()
+                         .sort("task", "status", "error_kind", nulls_last=True).to_dicts())
     report["top_errors"] = (current.filter(pl.col("status") == "error")
-                            .group_by("error").len().sort("len", descending=True).head(10)
+                            .group_by("error", "error_kind").len()
+                            .sort("len", descending=True).head(10)
                             .rename({"len": "rows"}).to_dicts())
     return report

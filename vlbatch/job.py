@@ -163,6 +163,9 @@ class Job(_Strict):
     engine: EngineSettings = EngineSettings()
     dedupe: Dedupe = Dedupe()
     max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    max_attempts: int = Field(default=3, ge=1, description="Tries a row with a transient error "
+                              "(engine died, timeout, worker died) gets, over the runs that "
+                              "retry it by themselves; --retry-errors goes on past it.")
     part_rows: int = Field(default=1000, ge=1, description="A results part is written every "
                            "part_rows rows or part_seconds: the point a killed run resumes from.")
     part_seconds: float = Field(default=30.0, gt=0)

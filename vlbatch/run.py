@@ -97,8 +97,10 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             stats.sources = len(sources)
             features = FeatureCache(job.cache, job.cache_size_gib) if job.feature_cache else None
             with render_pool(job, default_workers(job.render.workers)) as pool:
+                history = output.history(retry_errors, job.max_attempts)
+                sink.attempts = history.attempts
                 plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
-                                       output.done_keys(retry_errors), limit)
+                                       history.done, limit)
                 lap("probe_s")
                 stats.pages_total, stats.pages_todo = plan.pages_in_scope, len(plan.todo)
                 stats.pages_already_done = plan.pages_in_scope - len(plan.todo)

@@ -203,8 +203,11 @@ class VllmEngine:
             engine.add_request(request.request_id,
                                processed if processed is not None else self.vllm_prompt(request),
                                params)
-        except Exception as e:
+        except ValueError as e:  # vLLM's word for a bad request (a prompt over max_model_len)
             return Completion(request.request_id, None, f"request rejected: {e}", rejected=True)
+        except Exception as e:  # not the request's fault: the next run tries it again
+            return Completion(request.request_id, None, f"request refused by the engine: "
+                              f"{type(e).__name__}: {e}", rejected=True)
         return None
 
     def _note_thread_failure(self, error: Exception) -> None:

@@ -18,6 +18,7 @@ from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.discover import Source
 from vlbatch.pipeline.imaging import PageImageError, smart_resize
 from vlbatch.pipeline.ingest import Probe
+from vlbatch.pipeline.write import DoneKey
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class PageUnit:
         """This page's key in the feature cache, for the job's render settings."""
         return FeatureCache.page_key(self.source.sha256, self.page, render.dpi,
                                      render.min_pixels, render.max_pixels)
+
+
+def done_key(unit: PageUnit, task: Task) -> DoneKey:
+    """What makes a row current across runs (write.py's History)."""
+    return unit.source.path, unit.page, task.name, unit.source.sha256, task.fingerprint()
 
 
 def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageUnit]:

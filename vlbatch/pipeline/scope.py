@@ -15,7 +15,7 @@ from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job, Task
 from vlbatch.pipeline import ingest
 from vlbatch.pipeline.discover import Source, discover
-from vlbatch.pipeline.plan import PageUnit, order_for_generation, page_units, select_todo
+from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import WorkerPool
 from vlbatch.pipeline.write import DoneKey
 
@@ -52,13 +52,12 @@ def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[i
     return probes
 
 
-def is_done_in(done: set[DoneKey]) -> Callable[[PageUnit, Task], bool]:
-    return lambda unit, task: (unit.source.path, unit.page, task.name, unit.source.sha256,
-                               task.fingerprint()) in done
+def is_done_in(done: frozenset[DoneKey] | set[DoneKey]) -> Callable[[PageUnit, Task], bool]:
+    return lambda unit, task: done_key(unit, task) in done
 
 
 def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
-              done: set[DoneKey], limit: int | None = None) -> Plan:
+              done: frozenset[DoneKey] | set[DoneKey], limit: int | None = None) -> Plan:
     units = page_units(sources, probes)
     in_scope = units if limit is None else units[:limit]
     todo = select_todo(in_scope, job.tasks, is_done_in(done))

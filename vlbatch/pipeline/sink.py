@@ -17,10 +17,11 @@ from datetime import datetime, timezone
 from vlbatch.engine.base import Completion
 from vlbatch.job import Job, Task
 from vlbatch.pipeline.ingest import RenderedPage
-from vlbatch.pipeline.plan import PageUnit
+from vlbatch.pipeline.failures import error_kind
+from vlbatch.pipeline.plan import PageUnit, done_key
 from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
-from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, OutputFolder, PartWriter
+from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, DoneKey, OutputFolder, PartWriter
 
 log = logging.getLogger("vlbatch")
 
@@ -48,6 +49,7 @@ class RunStats:
     cache_corrupt: int = 0  # cache entries that did not decode (dropped, recomputed)
     rows_ok: int = 0
     rows_error: int = 0
+    rows_transient: int = 0  # error rows the next run retries by itself (failures.py)
     pages_with_errors: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -121,6 +123,7 @@ class RunSink:
         self.unseen: dict[int, PageUnit] = {}  # planned pages without a page row yet
         self.tasks_left: dict[int, int] = {}
         self.error_pages: set[int] = set()
+        self.attempts: dict[DoneKey, int] = {}  # keys an earlier run tried: its attempt
 
     # ----- what the executors call -----
     def expect(self, units: Iterable[PageUnit]) -> None:
@@ -204,6 +207,7 @@ class RunSink:
              cached: bool = False, reused_from: str | None = None,
              prompt_tokens: int | None = None, output_tokens: int | None = None) -> None:
         unit, task, s = row.unit, row.task, self.stats
+        kind = error_kind(error)
         self.results.add(dict(
             source=unit.source.path, page=unit.page, task=task.name,
             output=None if error is not None else output,
@@ -212,11 +216,13 @@ class RunSink:
             reused_from=reused_from, model=self.job.model, run_id=s.run_id,
             source_sha256=unit.source.sha256, task_hash=task.fingerprint(),
             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-            finished_at=datetime.now(timezone.utc)))
+            finished_at=datetime.now(timezone.utc),
+            attempt=self.attempts.get(done_key(unit, task), 0) + 1, error_kind=kind))
         if error is None:
             s.rows_ok += 1
         else:
             s.rows_error += 1
+            s.rows_transient += kind == "transient"
             self.error_pages.add(unit.order)
             s.pages_with_errors = len(self.error_pages)
             reason = error.split(":")[0][:80]

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -43,6 +44,8 @@ RESULT_SCHEMA = pa.schema([
     ("prompt_tokens", pa.int32()),
     ("output_tokens", pa.int32()),
     ("finished_at", pa.timestamp("ms", tz="UTC")),
+    ("attempt", pa.int32()),  # this row's try at its key: 1, 2, ... (failures.py)
+    ("error_kind", pa.string()),  # 'transient' (retried by the next run) or 'permanent'
 ])
 
 PAGE_SCHEMA = pa.schema([
@@ -59,6 +62,14 @@ PAGE_SCHEMA = pa.schema([
 ])
 
 DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
+
+
+@dataclass(frozen=True)
+class History:
+    """What earlier runs left, per key: finished (nothing to do) or tried and failed."""
+
+    done: frozenset[DoneKey]
+    attempts: dict[DoneKey, int]  # keys whose newest row is an error: its attempt number
 
 
 class PartWriter:
@@ -155,16 +166,35 @@ class OutputFolder:
     def part_files(self, kind: str = "results") -> list[Path]:
         return sorted((self.root / kind).glob("part-*.parquet"))
 
-    def done_keys(self, retry_errors: bool = False) -> set[DoneKey]:
-        """Keys that earlier runs finished (ok rows; error rows too unless retrying them)."""
+    def history(self, retry_errors: bool = False, max_attempts: int = 3) -> History:
+        """Each key's newest row decides: ok is done; a permanent error is done unless
+        retrying errors; a transient one is done once it used its `max_attempts` (unless
+        retrying errors). Rows written before `attempt` and `error_kind` existed count as
+        attempt 1 of a permanent error."""
         files = self.part_files()
         if not files:
-            return set()
-        columns = ["source", "page", "task", "source_sha256", "task_hash", "status"]
+            return History(frozenset(), {})
+        columns = ["source", "page", "task", "source_sha256", "task_hash", "status",
+                   "error_kind", "attempt", "finished_at"]
         table = pq.ParquetDataset(files, schema=RESULT_SCHEMA).read(columns=columns)
-        rows = zip(*(table.column(c).to_pylist() for c in columns))
-        return {(s, p, t, h, th) for s, p, t, h, th, status in rows
-                if status == "ok" or not retry_errors}
+        newest: dict[DoneKey, tuple] = {}
+        for s, p, t, h, th, status, kind, attempt, at in zip(
+                *(table.column(c).to_pylist() for c in columns)):
+            key = (s, p, t, h, th)
+            before = newest.get(key)  # parts are read oldest first; a time settles it
+            if before is None or at is None or before[3] is None or at >= before[3]:
+                newest[key] = (status, kind, attempt or 1, at)
+        done, attempts = set(), {}
+        for key, (status, kind, attempt, _) in newest.items():
+            if status == "ok":
+                done.add(key)
+                continue
+            attempts[key] = attempt
+            if retry_errors:
+                continue
+            if kind != "transient" or attempt >= max_attempts:
+                done.add(key)
+        return History(frozenset(done), attempts)
 
     def write_manifest(self, run_id: str, manifest: dict) -> Path:
         path = self.runs / f"{run_id}.json"
