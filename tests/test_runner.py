@@ -186,20 +186,47 @@ def test_bad_files_become_error_rows_and_the_run_goes_on(write_job, tmp_path):
     assert "encrypted" in locked
 
 
-def test_engine_death_mid_run_gives_error_rows(samples, write_job):
+def test_a_dead_engine_is_restarted_once_and_goes_on_with_what_it_held(samples, write_job):
     job = write_job(job_fields("fake-model", [f"{samples}/*"], result_cache=False))
-    stats, engine = run(job, engine=FakeEngine(fail_after=4))
+    engines = [FakeEngine(fail_after=4), FakeEngine()]
+    stats = run_job(load_job(job), engine_factory=lambda job, prompts: engines.pop(0),
+                    prompts_factory=fake_prompts)
     df = results(job)
-    assert df.height == 14  # nothing lost
-    assert (df["status"] == "ok").sum() >= 4
-    assert df.filter(pl.col("status") == "error")["error"].str.starts_with("engine failed").all()
+    assert df.height == 14 and (df["status"] == "ok").all() and stats.engine_restarts == 1
+    assert not df.select("source", "page", "task").is_duplicated().any()
+
+
+def test_an_engine_that_dies_again_stops_the_run_exit_5(samples, write_job, tmp_path):
+    import json
+
+    from vlbatch.errors import EngineStayedDown
+
+    job = write_job(job_fields("fake-model", [f"{samples}/*"], result_cache=False))
+    with pytest.raises(EngineStayedDown, match="engine failed: engine core died") as raised:
+        run_job(load_job(job), engine_factory=lambda job, prompts: FakeEngine(fail_after=2),
+                prompts_factory=fake_prompts)
+    assert raised.value.exit_code == 5
+    df = results(job)
+    assert df.height == 14 and not df.select("source", "page", "task").is_duplicated().any()
+    failed = df.filter(pl.col("status") == "error")
+    assert failed.height > 0 and (failed["error_kind"] == "transient").all()
+    manifest = json.loads(next((tmp_path / "out" / "_runs").glob("*.json")).read_text())
+    assert manifest["status"] == "failed" and manifest["summary"]["engine_restarts"] == 1
+    stats, engine = run(job)  # the next run retries them by itself
+    assert stats.rows_ok == failed.height and stats.rows_error == 0
 
 
 def test_transient_errors_are_retried_by_the_next_runs_up_to_max_attempts(samples, write_job):
+    from vlbatch.errors import EngineStayedDown
+
+    def dies(job, output=None, fail_after=4):  # the engine and its restart both die
+        with pytest.raises(EngineStayedDown):
+            run(job, engine=FakeEngine(fail_after=fail_after), **({"output": output} if output else {}))
+
     job = write_job(job_fields("fake-model", [f"{samples}/*"], result_cache=False, max_attempts=3))
-    stats, engine = run(job, engine=FakeEngine(fail_after=4))
+    dies(job)
     failed = results(job).filter(pl.col("status") == "error")
-    assert failed.height > 0 and stats.rows_transient == failed.height
+    assert failed.height > 0
     assert (failed["error_kind"] == "transient").all() and (failed["attempt"] == 1).all()
     stats, engine = run(job)  # no --retry-errors: the engine's death was not the pages' fault
     assert len(engine.requests) == failed.height - stats.copied and stats.rows_error == 0
@@ -209,11 +236,9 @@ def test_transient_errors_are_retried_by_the_next_runs_up_to_max_attempts(sample
     assert (retried["attempt"] == 2).all() and retried.height == failed.height
 
     out2 = str(job.parent / "out2")
-    stats, engine = run(job, engine=FakeEngine(fail_after=0), output=out2)  # never answers
-    for attempt in (2, 3):
-        stats, engine = run(job, engine=FakeEngine(fail_after=0), output=out2)
-        assert stats.pages_todo == 7 and stats.rows_transient == 14
-        assert (results(job, "out2").filter(pl.col("attempt") == attempt).height == 14)
+    for attempt in (1, 2, 3):  # an engine that never answers
+        dies(job, out2, fail_after=0)
+        assert results(job, "out2").filter(pl.col("attempt") == attempt).height == 14
     stats, engine = run(job, engine=FakeEngine(fail_after=0), output=out2)
     assert stats.pages_todo == 0  # max_attempts used up: only --retry-errors goes on
     stats, engine = run(job, output=out2, retry_errors=True)

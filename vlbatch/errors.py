@@ -28,6 +28,14 @@ class ErrorBudgetExceeded(VlbatchError):
     exit_code = 4
 
 
+class EngineStayedDown(VlbatchError):
+    """The engine died mid-run, and the one started in its place died too (or did not
+    start): rendering stopped, the pages left got transient error rows (the next run
+    retries them), and cron sees a failure."""
+
+    exit_code = 5
+
+
 class OutputLocked(VlbatchError):
     """Another live run holds this output folder's lock (EX_TEMPFAIL: try later)."""
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 from vlbatch.engine.base import Request
 from vlbatch.engine.loop import EngineLoop
+from vlbatch.errors import EngineStayedDown
 from vlbatch.executor.context import RunContext
 from vlbatch.pipeline import scope
 from vlbatch.pipeline.dedupe import Deduper
@@ -122,7 +123,7 @@ class LocalExecutor:
             if self._worth_starting_early(ctx, units):
                 # the engine takes longest to start (a minute on a GPU): start it now, while
                 # the other threads plan and render
-                loop = self._start(ctx, sink, engine)
+                loop = self._start(ctx, sink, engine, events)
                 ready_at = time.monotonic()
             routed_all = False
             while not routed_all or sink.waiting_on_engine():
@@ -136,13 +137,21 @@ class LocalExecutor:
                     sink.page_failed(*event[1:])
                 elif kind == "start_engine" and loop is None:
                     ctx.lap("to_first_request_s")
-                    loop = self._start(ctx, sink, engine)
+                    loop = self._start(ctx, sink, engine, events)
                     ready_at = time.monotonic()
                 elif kind == "routed_all":
                     routed_all = True
                     sink.fail_unseen(event[1] or "lost between rendering and routing")
                 elif kind == "route_failed":
                     raise event[1]
+                elif kind == "engine_down":  # restarted once already: stop, say so
+                    stop.set()
+                    self._keep_finished(events, sink)
+                    sink.fail_pending(event[1])
+                    sink.fail_unseen(event[1])
+                    raise EngineStayedDown(f"{event[1]} (after one restart); rendering "
+                                           f"stopped, the pages left have transient error "
+                                           f"rows that the next run retries")
             if ready_at is not None:
                 sink.stats.generation_s = round(time.monotonic() - ready_at, 2)
             finished = True
@@ -154,7 +163,11 @@ class LocalExecutor:
                 engine.set_exception(_Stopped())
             if loop is not None:
                 loop.close(timeout_s=60 if finished else 0)  # it holds nothing when finished
-                loop.engine.close()
+                sink.stats.engine_restarts = loop.restarts
+                try:
+                    loop.engine.close()
+                except Exception as e:  # a dead engine may not close cleanly
+                    log.debug("closing the engine: %s", e)
             for thread in threads:
                 thread.join(timeout=10)
 
@@ -175,7 +188,7 @@ class LocalExecutor:
                 sink.page_failed(*event[1:])
 
     @staticmethod
-    def _start(ctx: RunContext, sink: RunSink, engine: Future) -> EngineLoop:
+    def _start(ctx: RunContext, sink: RunSink, engine: Future, events: queue.Queue) -> EngineLoop:
         started = time.monotonic()
         try:
             generation_engine = ctx.engine_factory(ctx.job, ctx.prompts)
@@ -184,7 +197,9 @@ class LocalExecutor:
             raise
         sink.stats.engine_start_s = round(time.monotonic() - started, 1)
         sink.engine_version = getattr(generation_engine, "version", None)
-        loop = EngineLoop(generation_engine, max_waiting=64)
+        loop = EngineLoop(generation_engine, max_waiting=64,
+                          restart=lambda: ctx.engine_factory(ctx.job, ctx.prompts),
+                          on_down=lambda reason: events.put(("engine_down", reason)))
         engine.set_result(loop)
         return loop
 

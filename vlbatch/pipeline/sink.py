@@ -50,6 +50,7 @@ class RunStats:
     rows_ok: int = 0
     rows_error: int = 0
     rows_transient: int = 0  # error rows the next run retries by itself (failures.py)
+    engine_restarts: int = 0  # engines started again after one died mid-run
     pages_with_errors: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -133,11 +134,15 @@ class RunSink:
             self.stats.requests_total += len(unit.tasks)
 
     def page_failed(self, unit: PageUnit, failure: RenderFailure) -> None:
+        if unit.order not in self.unseen:  # already accounted for (fail_unseen got there first)
+            return
         self._page_row(unit, None, failure.page_error)
         for task in unit.tasks:
             self._row(_Row(unit, task, (None, None)), error=failure.row_error)
 
     def page_routed(self, unit: PageUnit, page: RenderedPage, routed: RoutedPage) -> None:
+        if unit.order not in self.unseen:  # already accounted for (fail_unseen got there first)
+            return
         s = self.stats
         self._page_row(unit, page, None)
         s.pages_from_feature_cache += page.from_cache
