@@ -52,6 +52,16 @@ def engine_kwargs(job: Job) -> dict:
     return kwargs
 
 
+def is_bad_request(error: Exception) -> bool:
+    """vLLM's word for a request it refuses as such (an over-long prompt, a bad image):
+    ValueError in 0.26, VLLMClientError in 0.32."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return isinstance(error, ValueError)
+    return isinstance(error, (ValueError, VLLMClientError))
+
+
 class VllmEngine:
     def __init__(self, job: Job, prompts: PromptBuilder | None = None):
         self.job = job
@@ -203,20 +213,22 @@ class VllmEngine:
             engine.add_request(request.request_id,
                                processed if processed is not None else self.vllm_prompt(request),
                                params)
-        except ValueError as e:  # vLLM's word for a bad request (a prompt over max_model_len)
-            return Completion(request.request_id, None, f"request rejected: {e}", rejected=True)
-        except Exception as e:  # not the request's fault: the next run tries it again
+        except Exception as e:
+            if is_bad_request(e):  # e.g. a prompt over max_model_len: the same tomorrow
+                return Completion(request.request_id, None, f"request rejected: {e}",
+                                  rejected=True)
+            # not the request's fault: the next run tries it again (failures.py)
             return Completion(request.request_id, None, f"request refused by the engine: "
                               f"{type(e).__name__}: {e}", rejected=True)
         return None
 
     def _note_thread_failure(self, error: Exception) -> None:
         """An input thread's failure; the request is processed again on the stepping thread.
-        A bad request (an over-long prompt: vLLM's ValueError) fails there too and is
+        A bad request (an over-long prompt: `is_bad_request`) fails there too and is
         refused; a failure of the threads themselves (a race in a library) costs time, not
         answers: the first of each other kind is logged."""
         kind = type(error).__name__
-        if kind not in self._thread_failures and not isinstance(error, ValueError):
+        if kind not in self._thread_failures and not is_bad_request(error):
             log.warning("input thread failed (%s: %s); processing such requests again on "
                         "the engine thread", kind, str(error)[:200])
         self._thread_failures[kind] = self._thread_failures.get(kind, 0) + 1
