@@ -241,7 +241,10 @@ def run_vlbatch(args) -> dict:
     started = time.monotonic()
     last = [started]
 
+    last_row = [started]  # when the sink wrote the newest row: the generation window's end
+
     def progress(stats) -> None:  # a line every 10 s: where a slow or stuck run is
+        last_row[0] = time.monotonic()
         if time.monotonic() - last[0] >= 10:
             last[0] = time.monotonic()
             print(f"progress {last[0] - started:.0f} s: {stats.pages_finished}/{stats.pages_todo} "
@@ -257,7 +260,8 @@ def run_vlbatch(args) -> dict:
     engine_log.addHandler(handler)
     stats = run_job(job, progress=progress, limit=args.limit or None)
     wall_s = time.monotonic() - started
-    ended = time.monotonic() - PROCESS_START - (stats.timings.get("finish_s") or 0)
+    # not the process's end: the engine's shutdown (seconds, GPU idle) is not generation
+    ended = last_row[0] - PROCESS_START
     run_s = stats.seconds - (stats.engine_start_s or 0)
     return {"mode": f"vlbatch-{job.executor}", "pages": stats.pages_finished,
             "ray": job.ray.model_dump() if job.executor == "ray" else None, "requests": stats.generated,
