@@ -164,7 +164,8 @@ def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
     result = run_cli("run", str(job))
     assert result.returncode == 4 and "over max_error_rate" in result.stderr
     report = json.loads(run_cli("inspect", str(tmp_path / "out"), "--json").stdout)
-    assert report["current"] == {"rows": 4, "ok": 0, "error": 4, "sources": 2, "pages": 2}
+    assert report["current"] == {"rows": 4, "ok": 0, "error": 4, "transient": 0, "sources": 2,
+                                 "pages": 2}
     assert len(report["runs"]) == 1 and report["runs"][0]["rows_error"] == 4
     assert sum(e["rows"] for e in report["top_errors"]) == 4
     table = run_cli("inspect", str(tmp_path / "out"))
