@@ -95,7 +95,7 @@ def test_feature_cache_skips_rendering_and_heals(write_job, tmp_path, samples):
     stats, _ = run(write_job(fields))
     assert stats.pages_from_feature_cache == 0
     first = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
-    with diskcache.Cache(str(tmp_path / "cache" / "features")) as cache:
+    with diskcache.Cache(str(tmp_path / "cache" / "default" / "features")) as cache:
         images = [k for k in cache.iterkeys() if str(k).startswith("image:")]
         assert len(images) == 6  # 7 pages, one an exact copy
         cache.set(images[0], b"not a png")
@@ -135,19 +135,40 @@ def test_cache_stats_and_clear_cli(write_job, tmp_path, samples):
     assert kinds["results"] == {"result": 2} and kinds["features"]["image"] == 1
     cleared = CliRunner().invoke(app, ["cache", "clear", str(job), "--only", "results"])
     assert cleared.exit_code == 0 and "removed 2 entries" in cleared.output
+    assert (tmp_path / "cache" / "default" / "features").is_dir()  # --only results
     _, engine = run(job, output=str(tmp_path / "fresh"))
     assert len(engine.requests) == 2  # answers gone, so generated again
 
 
-def test_namespaces_never_share_answers(write_job, tmp_path, samples):
-    fields = job_fields("fake-model", [f"{samples}/chart.jpg"], cache_namespace="tenant-a")
-    run(write_job(fields))
-    fields.update(cache_namespace="tenant-b", output="out-b")
-    stats, engine = run(write_job(fields))
+def test_namespaces_share_nothing_and_clear_alone(write_job, tmp_path, samples):
+    """Answers, rendered pages and the dedupe index are a namespace's own: tenant B's copy
+    of tenant A's page is neither served A's answer, nor rendered from A's pages, nor
+    merged with A's page; clearing A leaves B."""
+    from typer.testing import CliRunner
+
+    from vlbatch.cli import app
+
+    fields = job_fields("fake-model", [f"{samples}/receipt.png"], cache_namespace="tenant-a")
+    run(write_job(fields, "a.yaml"))
+    fields.update(cache_namespace="tenant-b", output="out-b",
+                  inputs=[f"{samples}/receipt-copy.png"])  # the same pixels, another file
+    stats, engine = run(write_job(fields, "b.yaml"))
     assert len(engine.requests) == 2 and stats.cache_hits == 0
-    fields.update(cache_namespace="tenant-a", output="out-a2")
-    stats, engine = run(write_job(fields))
+    assert stats.pages_from_feature_cache == 0 and stats.exact_copies == 0
+    assert pl.read_parquet(tmp_path / "out-b" / "results" / "*.parquet")["reused_from"].is_null().all()
+    fields.update(cache_namespace="tenant-a", output="out-a2", inputs=[f"{samples}/receipt.png"])
+    stats, engine = run(write_job(fields, "a2.yaml"))
     assert len(engine.requests) == 0 and stats.cache_hits == 2
+
+    cleared = CliRunner().invoke(app, ["cache", "clear", str(tmp_path / "a.yaml")])
+    assert cleared.exit_code == 0 and "namespaces: tenant-a" in cleared.output
+    left = CliRunner().invoke(app, ["cache", "stats", "--cache-dir", str(tmp_path / "cache"),
+                                    "--all", "--json"])
+    rows = {(r["namespace"], r["cache"]): r["entries"] for r in json.loads(left.output)["caches"]}
+    assert rows == {("tenant-b", "results"): 2, ("tenant-b", "features"): rows[("tenant-b", "features")]}
+    assert rows[("tenant-b", "features")] > 0
+    refused = CliRunner().invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path / "cache")])
+    assert refused.exit_code == 2 and "--namespace" in refused.output
 
 
 class CountingFeatureCache(FeatureCache):

@@ -77,7 +77,7 @@ def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model,
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "vlbatch", "run", str(job)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    answers = tmp_path / "cache" / "results"
+    answers = tmp_path / "cache" / "default" / "results"
     deadline = time.monotonic() + 300
     seen = 0
     while seen < 6 and proc.poll() is None:  # answers reach the result cache as they finish

@@ -106,7 +106,7 @@ def test_corrupt_cache_entry_is_recomputed(samples, write_job, tmp_path):
 
     job = write_job(job_fields("fake-model", [f"{samples}/chart.jpg"]))
     run(job)
-    with diskcache.Cache(str(tmp_path / "cache" / "results")) as cache:
+    with diskcache.Cache(str(tmp_path / "cache" / "default" / "results")) as cache:
         keys = list(cache.iterkeys())
         assert len(keys) == 2
         cache.set(keys[0], b"\xff not json")
@@ -131,7 +131,7 @@ def test_pickled_cache_entries_are_never_loaded(samples, write_job, tmp_path):
     run(job)
     marker = tmp_path / "unpickled"
     for name in ("results", "features"):  # what diskcache's own Disk writes for an object
-        with diskcache.Cache(str(tmp_path / "cache" / name)) as cache:
+        with diskcache.Cache(str(tmp_path / "cache" / "default" / name)) as cache:
             for key in list(cache.iterkeys()):
                 cache.set(key, _Planted(str(marker)))
     stats, engine = run(job, output=str(tmp_path / "out2"))

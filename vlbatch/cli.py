@@ -163,31 +163,44 @@ cache_app = typer.Typer(no_args_is_help=True, help="The cache folder of a job (r
 app.add_typer(cache_app, name="cache")
 
 
-def _cache_folder(job_file: Optional[Path], cache_dir: Optional[str]) -> Path:
+def _cache_tenants(job_file: Optional[Path], cache_dir: Optional[str],
+                   namespace: Optional[str], every: bool) -> tuple[Path, list[str]]:
+    """The cache folder and the namespaces a cache command acts on: a job's own namespace
+    (or --namespace); every namespace only when asked (--all), or to count with --cache-dir."""
     from vlbatch.errors import JobFileError
     from vlbatch.job import load_job
+    from vlbatch.pipeline.cache import namespaces
 
-    if cache_dir:
-        return Path(cache_dir).resolve()
     if job_file:
-        return load_job(job_file).cache
-    raise JobFileError("name a job file or --cache-dir")
+        job = load_job(job_file)
+        folder, own = (Path(cache_dir).resolve() if cache_dir else job.cache), job.cache_namespace
+    elif cache_dir:
+        folder, own = Path(cache_dir).resolve(), None
+    else:
+        raise JobFileError("name a job file or --cache-dir")
+    if every:
+        return folder, namespaces(folder)
+    if namespace or own:
+        return folder, [namespace or own]
+    raise JobFileError("with --cache-dir, name a --namespace or say --all")
 
 
 @cache_app.command("stats")
 def cache_stats_command(
     job_file: Optional[Path] = typer.Argument(None, help="A job file: its cache folder."),
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="A cache folder."),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="One tenant's cache."),
+    every: bool = typer.Option(False, "--all", help="Every namespace in the folder."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Entries and size of the result and feature caches."""
+    """Entries and size of the result and feature caches, per namespace."""
     from rich.table import Table
 
     from vlbatch.pipeline.cache import cache_stats
 
     try:
-        folder = _cache_folder(job_file, cache_dir)
-        rows = cache_stats(folder)
+        folder, tenants = _cache_tenants(job_file, cache_dir, namespace, every)
+        rows = cache_stats(folder, tenants)
     except Exception as e:  # noqa: BLE001
         _fail(e, False)
         return
@@ -195,33 +208,38 @@ def cache_stats_command(
         print(json.dumps({"cache": str(folder), "caches": rows}, indent=2))
         return
     table = Table(title=f"cache {folder}", title_justify="left")
-    for column in ("cache", "entries", "MiB", "kinds"):
+    for column in ("namespace", "cache", "entries", "MiB", "kinds"):
         table.add_column(column, justify="right" if column in ("entries", "MiB") else "left")
     for row in rows:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(row["kinds"].items()))
-        table.add_row(row["cache"], str(row["entries"]), f"{row['bytes'] / 2**20:.1f}", kinds)
+        table.add_row(row["namespace"], row["cache"], str(row["entries"]),
+                      f"{row['bytes'] / 2**20:.1f}", kinds)
     out_console.print(table)
 
 
 @cache_app.command("clear")
 def cache_clear_command(
-    job_file: Optional[Path] = typer.Argument(None, help="A job file: its cache folder."),
+    job_file: Optional[Path] = typer.Argument(None, help="A job file: its namespace's cache."),
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="A cache folder."),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="One tenant's cache."),
+    every: bool = typer.Option(False, "--all", help="Every namespace in the folder."),
     which: str = typer.Option("all", "--only", help="results, features or all."),
 ) -> None:
-    """Remove cached answers and/or rendered pages (the next run recomputes them)."""
+    """Remove cached answers and/or rendered pages of one namespace (the job's, or
+    --namespace), or of every namespace with --all; the next run recomputes them."""
     from vlbatch.errors import JobFileError
     from vlbatch.pipeline.cache import clear_cache
 
     try:
         if which not in ("all", "results", "features"):
             raise JobFileError(f"--only takes results, features or all, not {which!r}")
-        folder = _cache_folder(job_file, cache_dir)
-        removed = clear_cache(folder, which)
+        folder, tenants = _cache_tenants(job_file, cache_dir, namespace, every)
+        removed = clear_cache(folder, tenants, which)
     except Exception as e:  # noqa: BLE001
         _fail(e, False)
         return
-    out_console.print(f"removed {removed} entries from {folder} ({which})")
+    out_console.print(f"removed {removed} entries from {folder} ({which}; namespaces: "
+                      f"{', '.join(tenants) or 'none'})")
 
 
 @app.command("make-tiny-model")

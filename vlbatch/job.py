@@ -174,8 +174,10 @@ class Job(_Strict):
                                 "a later run skips rendering.")
     cache_size_gib: float = Field(default=20.0, gt=0, description="Per cache (results, "
                                   "features); least recently used entries are evicted.")
-    cache_namespace: str = Field(default="default", min_length=1,
-                                 description="Tenants sharing a cache folder never share answers.")
+    cache_namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$",
+                                 description="Tenants sharing a cache folder share nothing: "
+                                 "answers, pages and the dedupe index live in "
+                                 "CACHE/<namespace>/.")
     executor: Literal["local", "ray"] = Field(default="local", description="ray: render and "
                                               "generate on a Ray cluster.")
     ray: RaySettings = RaySettings()
@@ -189,6 +191,11 @@ class Job(_Strict):
         if dupes:
             raise ValueError(f"task names must be unique; repeated: {', '.join(dupes)}")
         return tasks
+
+    @property
+    def tenant_cache(self) -> Path:
+        """This job's part of the cache folder: its namespace's answers and pages."""
+        return self.cache / self.cache_namespace
 
     def model_path(self) -> str:
         """The model as vLLM takes it: a local folder (relative to the job file); else a hub

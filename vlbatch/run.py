@@ -83,7 +83,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
     output = OutputFolder(job.output)
     with output.lock():
         run_id = new_run_id()
-        results = ResultCache(job.cache, job.cache_size_gib) if job.result_cache else None
+        results = ResultCache(job.tenant_cache, job.cache_size_gib) if job.result_cache else None
         sink = RunSink(job, run_id, output, results, progress)
         stats = sink.stats
         if on_start is not None:
@@ -95,7 +95,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             sources = scope.find_sources(job)
             lap("discover_s")
             stats.sources = len(sources)
-            features = FeatureCache(job.cache, job.cache_size_gib) if job.feature_cache else None
+            features = FeatureCache(job.tenant_cache, job.cache_size_gib) if job.feature_cache else None
             with render_pool(job, default_workers(job.render.workers)) as pool:
                 history = output.history(retry_errors, job.max_attempts)
                 sink.attempts = history.attempts

@@ -132,9 +132,9 @@ class RoutePages:
         self.job = job = Job.model_validate(job)
         self.tasks = {t.name: t for t in job.tasks}
         # indexed at once: this actor may be stopped as soon as the last block has passed
-        features = (FeatureCache(job.cache, job.cache_size_gib, index_in_background=False)
+        features = (FeatureCache(job.tenant_cache, job.cache_size_gib, index_in_background=False)
                     if job.feature_cache else None)
-        results = ResultCache(job.cache, job.cache_size_gib) if job.result_cache else None
+        results = ResultCache(job.tenant_cache, job.cache_size_gib) if job.result_cache else None
         self.router = Router(job, Deduper(job.dedupe, index=features), results)
 
     def __call__(self, batch: pa.Table) -> pa.Table:

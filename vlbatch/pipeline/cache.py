@@ -243,33 +243,47 @@ class FeatureCache(_JsonEntries):
         self._check_writer()
 
 
-def cache_stats(folder: Path) -> list[dict]:
-    """Entries and bytes per kind of entry, for `vlbatch cache stats`."""
-    import diskcache
+def namespaces(folder: Path) -> list[str]:
+    """The tenants with a cache in this folder (CACHE/<namespace>/results|features)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(d.name for d in folder.iterdir()
+                  if d.is_dir() and any((d / name).is_dir() for name in ("results", "features")))
+
+
+def cache_stats(folder: Path, tenants: list[str]) -> list[dict]:
+    """Entries and bytes per namespace, cache and kind of entry, for `vlbatch cache stats`.
+    Keys are read from diskcache's SQLite table as stored: nothing is unpickled."""
+    import sqlite3
 
     rows = []
-    for name in ("results", "features"):
-        path = Path(folder) / name
-        if not path.exists():
-            rows.append({"cache": name, "entries": 0, "bytes": 0, "kinds": {}})
-            continue
-        with diskcache.Cache(str(path)) as cache:
-            kinds: dict[str, int] = {}
-            for key in cache.iterkeys():
-                kind = str(key).split(":", 1)[0]
-                kinds[kind] = kinds.get(kind, 0) + 1
-            rows.append({"cache": name, "entries": len(cache), "bytes": cache.volume(),
-                         "kinds": kinds})
+    for tenant in tenants:
+        for name in ("results", "features"):
+            db = Path(folder) / tenant / name / "cache.db"
+            row = {"namespace": tenant, "cache": name, "entries": 0, "bytes": 0, "kinds": {}}
+            if db.exists():
+                with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+                    for key, raw, size in con.execute("SELECT key, raw, size FROM Cache"):
+                        kind = str(key).split(":", 1)[0] if raw and isinstance(key, str) else "pickled"
+                        row["kinds"][kind] = row["kinds"].get(kind, 0) + 1
+                        row["entries"] += 1
+                        row["bytes"] += size or 0
+                con.close()
+            rows.append(row)
     return rows
 
 
-def clear_cache(folder: Path, which: str = "all") -> int:
-    import diskcache
+def clear_cache(folder: Path, tenants: list[str], which: str = "all") -> int:
+    import shutil
 
     removed = 0
-    for name in ("results", "features"):
-        path = Path(folder) / name
-        if which in ("all", name) and path.exists():
-            with diskcache.Cache(str(path)) as cache:
-                removed += cache.clear()
+    for tenant in tenants:
+        for name in ("results", "features"):
+            path = Path(folder) / tenant / name
+            if which in ("all", name) and path.exists():
+                cache = _open_cache(path.parent, name, 1.0)
+                removed += len(cache)
+                cache.close()
+                shutil.rmtree(path)
     return removed

@@ -72,7 +72,7 @@ class PageStore:
 
 def render_pool(job: Job, workers: int, lookahead: int | None = None) -> WorkerPool:
     """Worker processes for probing and rendering, each with the job's feature cache."""
-    folder = str(job.cache) if job.feature_cache else None
+    folder = str(job.tenant_cache) if job.feature_cache else None
     return WorkerPool(workers, job.render.page_timeout_s, lookahead=lookahead,
                       initializer=PageStore.open, initargs=(folder, job.cache_size_gib))
 
