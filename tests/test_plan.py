@@ -40,8 +40,12 @@ def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
     job = Job(name="t", inputs=["*"], output=tmp_path, model="m", tasks=list(TASKS))
     sources = tuple(Source(f"f{i}.png", f"/f{i}.png", 1, f"sha{i}") for i in range(4))
     probes = [Probe("image", [PageSize(1, 300, 300)]) for _ in sources]
-    done = {("f0.png", 1, t.name, "sha0", t.fingerprint()) for t in TASKS}
-    plan = make_plan(job, sources, probes, done, limit=3)
+    from vlbatch.pipeline.identity import task_hashes
+    from vlbatch.pipeline.write import History
+
+    hashes = task_hashes(job)
+    done = frozenset(("f0.png", 1, t.name, "sha0", hashes[t.name]) for t in TASKS)
+    plan = make_plan(job, sources, probes, History(done, {}), limit=3)
     assert plan.pages_in_scope == 3 and [u.source.path for u in plan.todo] == ["f1.png", "f2.png"]
 
 

@@ -92,6 +92,34 @@ def test_result_cache_keys_hold_the_model_and_its_numerics(samples, tmp_path):
     assert stats.cache_hits == 0 and len(engine.requests) == generated
 
 
+def test_changed_model_files_or_render_settings_regenerate_in_the_same_output(samples, tmp_path):
+    import json
+    import os
+    import yaml
+
+    model = tmp_path / "models" / "x"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    (model / "model.safetensors").write_bytes(b"weights v1")
+    fields = job_fields("models/x", [f"{samples}/chart.jpg"])
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(fields))
+    stats, engine = run(job)
+    assert len(engine.requests) == 2 and stats.rows_stale == 0
+    stats, engine = run(job)
+    assert stats.pages_todo == 0  # nothing changed
+    (model / "model.safetensors").write_bytes(b"weights v2")  # weights replaced in place
+    os.utime(model / "model.safetensors", ns=(1, 1))
+    stats, engine = run(job)
+    assert len(engine.requests) == 2 and stats.rows_stale == 2 and stats.cache_hits == 0
+    fields["render"]["dpi"] = 96
+    job.write_text(yaml.safe_dump(fields))
+    stats, engine = run(job)
+    assert stats.pages_todo == 1 and stats.rows_stale == 2
+    current = results(job).sort("finished_at").group_by("source", "page", "task").last()
+    assert current.height == 2
+
+
 def test_changed_source_file_is_generated_again(samples, write_job):
     job = write_job(job_fields("fake-model", [f"{samples}/*.png"], result_cache=False))
     run(job)

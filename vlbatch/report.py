@@ -64,6 +64,7 @@ def summary_table(s: RunStats) -> Table:
     rows = [
         ("sources", s.sources), ("pages in scope", s.pages_total),
         ("pages already done", s.pages_already_done), ("pages processed", s.pages_finished),
+        ("rows stale (settings changed)", s.rows_stale),
         ("requests", s.requests_total), ("generated", s.generated),
         ("rejected by the engine", s.rejected), ("failed in the engine", s.failed),
         ("copies (answers shared in this run)", s.copied),
@@ -71,6 +72,8 @@ def summary_table(s: RunStats) -> Table:
         ("exact-copy pages", s.exact_copies), ("near-copy pages", s.near_copies),
         ("pages from feature cache", s.pages_from_feature_cache),
         ("rows ok", s.rows_ok), ("rows error", s.rows_error),
+        ("of them transient (the next run retries)", s.rows_transient),
+        ("engine restarts", s.engine_restarts),
         ("pages with errors", s.pages_with_errors), ("output tokens", s.output_tokens),
         ("engine start (s)", "-" if s.engine_start_s is None else f"{s.engine_start_s:.1f}"),
         ("seconds", f"{s.seconds:.1f}"), ("pages/s", f"{s.pages_per_s:.2f}"),

@@ -100,10 +100,11 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                 history = output.history(retry_errors, job.max_attempts)
                 sink.attempts = history.attempts
                 plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
-                                       history.done, limit)
+                                       history, limit)
                 lap("probe_s")
                 stats.pages_total, stats.pages_todo = plan.pages_in_scope, len(plan.todo)
                 stats.pages_already_done = plan.pages_in_scope - len(plan.todo)
+                stats.rows_stale = plan.stale
                 sink.expect(plan.todo)
                 for unit in plan.unopenable:
                     sink.page_failed(unit, RenderFailure(unit.error, unit.error))

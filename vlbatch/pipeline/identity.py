@@ -5,13 +5,12 @@ would produce it with the same numerics. The model string as written says neithe
 relative folder points nor which revision a hub id is, and `load_format: dummy` (random
 weights) or another dtype changes every answer under the same name. So the key holds:
 
-- a local folder (a hub id whose snapshot is in the local Hugging Face cache is one too: its
-  path names the revision): the contents of every file in it but the weights (config,
+- a local folder: the contents of every file in it but the weights (config,
   generation config, weight index, tokenizer, chat template, processor configs), and each
   weight file's name, size and modification time (hashing gigabytes at every start is too
   slow; a copied folder costs one regeneration, never a wrong answer);
-- a hub id not yet downloaded: the id (vLLM resolves its revision later; the next run, with
-  the snapshot cached, keys by the files);
+- a hub id: the id (a revision pushed upstream under the same id is not noticed: point
+  `model:` at a local folder to have its files checked);
 - the engine settings that change numerics: load_format, dtype, quantization; and the pixel
   budget the processor is given.
 """
@@ -19,7 +18,6 @@ weights) or another dtype changes every answer under the same name. So the key h
 from __future__ import annotations
 
 import hashlib
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,8 +29,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5
 def model_identity(job: Job) -> str:
     """A hex digest naming the model and the settings that change its answers."""
     e, r = job.engine, job.render
-    path = job.model_path()
-    files = folder_digest(path, _signature(path)) if os.path.isdir(path) else f"hub:{path}"
+    local = job.base_dir / job.model
+    # a hub id stays its id (its snapshot appears only once vLLM has downloaded it: keying
+    # by the snapshot would make the second night regenerate everything the first did)
+    files = folder_digest(str(local.resolve()), _signature(local)) if local.is_dir() \
+        else f"hub:{job.model}"
     parts = [files, f"load_format={e.load_format}", f"dtype={e.dtype}",
              f"quantization={e.quantization}", f"pixels={r.min_pixels}-{r.max_pixels}"]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
@@ -60,3 +61,14 @@ def folder_digest(folder: str, signature: tuple) -> str:
         with open(Path(folder) / name, "rb") as f:
             digest.update(hashlib.file_digest(f, "sha256").digest())
     return "files:" + digest.hexdigest()
+
+
+def task_hashes(job: Job) -> dict[str, str]:
+    """Per task: what makes a row current across runs besides its page (done keys, the
+    `task_hash` column): the prompt and sampling, the model's identity and the render
+    settings. Change any of them and the next run regenerates the row."""
+    r = job.render
+    settings = "\x1f".join([model_identity(job), f"dpi={r.dpi}",
+                            f"pixels={r.min_pixels}-{r.max_pixels}"])
+    return {t.name: hashlib.sha256(f"{t.fingerprint()}\x1f{settings}".encode()).hexdigest()[:16]
+            for t in job.tasks}

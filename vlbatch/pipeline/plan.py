@@ -45,9 +45,9 @@ class PageUnit:
                                      render.min_pixels, render.max_pixels)
 
 
-def done_key(unit: PageUnit, task: Task) -> DoneKey:
-    """What makes a row current across runs (write.py's History)."""
-    return unit.source.path, unit.page, task.name, unit.source.sha256, task.fingerprint()
+def done_key(unit: PageUnit, task: Task, task_hash: str) -> DoneKey:
+    """What makes a row current across runs (write.py's History; task_hash: identity.py)."""
+    return unit.source.path, unit.page, task.name, unit.source.sha256, task_hash
 
 
 def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageUnit]:

@@ -15,9 +15,10 @@ from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job, Task
 from vlbatch.pipeline import ingest
 from vlbatch.pipeline.discover import Source, discover
+from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import WorkerPool
-from vlbatch.pipeline.write import DoneKey
+from vlbatch.pipeline.write import DoneKey, History
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Plan:
     sources: tuple[Source, ...]
     pages_in_scope: int
     todo: tuple[PageUnit, ...]  # pages with tasks left, in input order
+    stale: int = 0  # rows to do again because their settings changed
 
     @property
     def unopenable(self) -> tuple[PageUnit, ...]:
@@ -52,16 +54,24 @@ def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[i
     return probes
 
 
-def is_done_in(done: frozenset[DoneKey] | set[DoneKey]) -> Callable[[PageUnit, Task], bool]:
-    return lambda unit, task: done_key(unit, task) in done
+def is_done_in(done: frozenset[DoneKey] | set[DoneKey],
+               hashes: dict[str, str]) -> Callable[[PageUnit, Task], bool]:
+    return lambda unit, task: done_key(unit, task, hashes[task.name]) in done
 
 
 def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
-              done: frozenset[DoneKey] | set[DoneKey], limit: int | None = None) -> Plan:
+              history: History, limit: int | None = None) -> Plan:
+    """The pages in scope with the tasks earlier runs left to do. A row to do again whose
+    page and task had a row under other settings (prompt, sampling, model, render) is
+    stale, and counted."""
     units = page_units(sources, probes)
     in_scope = units if limit is None else units[:limit]
-    todo = select_todo(in_scope, job.tasks, is_done_in(done))
-    return Plan(sources, len(in_scope), tuple(todo))
+    hashes = task_hashes(job)
+    todo = select_todo(in_scope, job.tasks, is_done_in(history.done, hashes))
+    stale = sum((u.source.path, u.page, t.name, u.source.sha256) in history.answered
+                and done_key(u, t, hashes[t.name]) not in history.attempts
+                for u in todo for t in u.tasks)
+    return Plan(sources, len(in_scope), tuple(todo), stale)
 
 
 def order(job: Job, units: tuple[PageUnit, ...], prompts) -> list[PageUnit]:

@@ -18,6 +18,7 @@ from vlbatch.engine.base import Completion
 from vlbatch.job import Job, Task
 from vlbatch.pipeline.ingest import RenderedPage
 from vlbatch.pipeline.failures import error_kind
+from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key
 from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
@@ -51,6 +52,7 @@ class RunStats:
     rows_error: int = 0
     rows_transient: int = 0  # error rows the next run retries by itself (failures.py)
     engine_restarts: int = 0  # engines started again after one died mid-run
+    rows_stale: int = 0  # rows done again: their prompt, sampling, model or render changed
     pages_with_errors: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -125,6 +127,7 @@ class RunSink:
         self.tasks_left: dict[int, int] = {}
         self.error_pages: set[int] = set()
         self.attempts: dict[DoneKey, int] = {}  # keys an earlier run tried: its attempt
+        self.task_hashes = task_hashes(job)
 
     # ----- what the executors call -----
     def expect(self, units: Iterable[PageUnit]) -> None:
@@ -219,10 +222,11 @@ class RunSink:
             status="error" if error is not None else "ok", error=error,
             content_hash=row.hashes[0], phash=row.hashes[1], cached=cached,
             reused_from=reused_from, model=self.job.model, run_id=s.run_id,
-            source_sha256=unit.source.sha256, task_hash=task.fingerprint(),
+            source_sha256=unit.source.sha256, task_hash=self.task_hashes[task.name],
             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
             finished_at=datetime.now(timezone.utc),
-            attempt=self.attempts.get(done_key(unit, task), 0) + 1, error_kind=kind))
+            attempt=self.attempts.get(done_key(unit, task, self.task_hashes[task.name]), 0) + 1,
+            error_kind=kind))
         if error is None:
             s.rows_ok += 1
         else:

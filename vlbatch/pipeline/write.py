@@ -70,6 +70,7 @@ class History:
 
     done: frozenset[DoneKey]
     attempts: dict[DoneKey, int]  # keys whose newest row is an error: its attempt number
+    answered: frozenset[tuple] = frozenset()  # (source, page, task, file hash) with a row
 
 
 class PartWriter:
@@ -194,7 +195,7 @@ class OutputFolder:
                 continue
             if kind != "transient" or attempt >= max_attempts:
                 done.add(key)
-        return History(frozenset(done), attempts)
+        return History(frozenset(done), attempts, frozenset(k[:4] for k in newest))
 
     def write_manifest(self, run_id: str, manifest: dict) -> Path:
         path = self.runs / f"{run_id}.json"
