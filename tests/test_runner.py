@@ -331,6 +331,33 @@ def test_a_symlinked_input_gets_rows_of_its_own_copied_not_generated(samples, wr
     assert copies.height == df.height // 2 and len(engine.requests) == df.height // 2
 
 
+def test_transformers_is_imported_before_the_processor_loads_beside_the_engine(samples, write_job):
+    """In a fresh interpreter: by the time the processor starts loading on its own thread
+    (while the engine starts on the main one), transformers is fully imported."""
+    import subprocess
+    import sys
+
+    job = write_job(job_fields("fake-model", [f"{samples}/chart.jpg"]))
+    script = f"""
+import sys, threading
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from fakes import FakeEngine, fake_prompts
+from vlbatch.job import load_job
+from vlbatch.run import run_job
+seen = []
+def prompts(job):
+    seen.append(threading.current_thread() is not threading.main_thread()
+                and "transformers.configuration_utils" in sys.modules
+                and "transformers.processing_utils" in sys.modules)
+    return fake_prompts(job)
+run_job(load_job({str(job)!r}), engine_factory=lambda job, p: FakeEngine(), prompts_factory=prompts)
+print("SEEN", seen)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SEEN [True]" in done.stdout, done.stdout[-500:]
+
+
 def test_no_inputs_is_exit_3(write_job):
     with pytest.raises(JobCannotRunError, match="no inputs matched"):
         run(write_job(job_fields("fake-model", ["nothing/*.pdf"])))

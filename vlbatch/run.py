@@ -36,6 +36,18 @@ def new_run_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
 
 
+def import_once() -> None:
+    """transformers (and torch under it) imported on this thread, before the processor loads
+    on another while vLLM imports them on this one. Two threads in transformers' lazy
+    imports at once failed one engine start in 17: "cannot import name 'PreTrainedConfig'
+    from 'transformers'" (issue 20)."""
+    import transformers
+
+    for name in ("PreTrainedConfig", "PretrainedConfig", "AutoConfig", "AutoProcessor",
+                 "AutoTokenizer", "AutoImageProcessor", "ProcessorMixin"):
+        getattr(transformers, name, None)  # each loads its submodule, here and now
+
+
 def default_prompts(job: Job):
     """The model's processor (chat template, tokenizer): token counts for planning, and the
     prompts the engine sends. Loaded once, only when there are pages to render."""
@@ -109,6 +121,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                 for unit in plan.unopenable:
                     sink.page_failed(unit, RenderFailure(unit.error, unit.error))
                 if plan.renderable:  # the processor loads while the engine starts
+                    import_once()
                     prompts: Future = background.submit(prompts_factory, job)
                     context = RunContext(job, pool, prompts, features, results,
                                          engine_factory, lap)
