@@ -103,6 +103,16 @@ def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model,
     assert (df["status"] == "ok").all()
 
 
+def test_an_output_whose_results_folder_cannot_be_written_is_exit_3(samples, write_job,
+                                                                   tmp_path):
+    job = write_job(job_fields("no-model-needed", [f"{samples}/chart.jpg"]))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results").write_text("a file where the folder goes")
+    result = run_cli("run", str(job))
+    assert result.returncode == 3 and "not writable" in result.stderr, result.stderr[-1000:]
+    assert "internal error" not in result.stderr
+
+
 def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -163,6 +173,9 @@ def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
     job = write_job(job_fields("no-model-needed", ["docs/*"], max_error_rate=0.5))
     result = run_cli("run", str(job))
     assert result.returncode == 4 and "over max_error_rate" in result.stderr
+    assert "rows error" in result.stdout  # the summary, though the run failed its budget
+    manifest = json.loads(next((tmp_path / "out" / "_runs").glob("*.json")).read_text())
+    assert manifest["status"] == "error_budget_exceeded" and "over max_error_rate" in manifest["reason"]
     report = json.loads(run_cli("inspect", str(tmp_path / "out"), "--json").stdout)
     assert report["current"] == {"rows": 4, "ok": 0, "error": 4, "transient": 0, "sources": 2,
                                  "pages": 2}

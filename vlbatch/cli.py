@@ -18,12 +18,13 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
-from vlbatch.errors import RunInterrupted, VlbatchError
+from vlbatch.errors import ErrorBudgetExceeded, RunInterrupted, VlbatchError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Folders of PDFs and images -> Parquet tables of VLM answers (vLLM).")
-err_console = Console(stderr=True)
-out_console = Console()
+# without a terminal (cron, a pipe): one line per message, tables not cut to 80 columns
+err_console = Console(stderr=True, soft_wrap=True)
+out_console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240)
 
 
 def _setup_logging(debug: bool) -> None:
@@ -94,10 +95,10 @@ def run(
     from vlbatch.report import ProgressReporter, summary_table
     from vlbatch.run import run_job
 
+    started: list = []  # the run's stats, once it has them
     try:
         job = load_job(job_file, output=output, cache=cache_dir)
         with _signals_stop_the_run(), ProgressReporter(err_console) as progress:
-            started: list = []  # the run's stats, once it has them
             try:
                 stats = run_job(job, limit=limit, retry_errors=retry_errors, progress=progress,
                                 on_start=started.append)
@@ -105,6 +106,8 @@ def run(
                 if started:
                     progress(started[0], force=True)
     except (Exception, KeyboardInterrupt, RunInterrupted) as e:  # noqa: BLE001 - errors end here
+        if isinstance(e, ErrorBudgetExceeded) and started:  # the run ran: say what it did
+            out_console.print(summary_table(started[0]))
         _fail(e, debug)
         return
     out_console.print(summary_table(stats))

@@ -102,6 +102,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             on_start(stats)
         lap = _Laps(stats.timings)
         features, plan, status, closing_error = None, None, "failed", None
+        reason: str | None = None  # why a run that did not finish stopped (the manifest)
         background = ThreadPoolExecutor(1, thread_name_prefix="vlbatch-load")
         try:
             sources = scope.find_sources(job)
@@ -127,8 +128,17 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                                          engine_factory, lap)
                     _executor(job, engine_factory).run(context, plan.renderable, sink)
             status = "finished"
-        except RunInterrupted:
-            status = "interrupted"
+            budget_error = _over_error_budget(job, stats)
+            if budget_error is not None:
+                status, reason = "error_budget_exceeded", str(budget_error)
+        except RunInterrupted as e:
+            status, reason = "interrupted", str(e)
+            raise
+        except PermissionError as e:  # a folder of the output or cache that cannot be written
+            reason = f"cannot write {e.filename or 'the output'}: {e.strerror or e}"
+            raise JobCannotRunError(reason) from e
+        except BaseException as e:
+            reason = str(e) or type(e).__name__
             raise
         finally:
             background.shutdown(wait=False)
@@ -140,20 +150,27 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                     try:
                         opened.close()
                     except JobCannotRunError as e:  # said after the manifest is written
-                        status, closing_error = "failed", e
+                        status, closing_error, reason = "failed", e, str(e)
             lap("finish_s")
             stats.seconds = round(time.monotonic() - started, 2)
             stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
-            output.write_manifest(run_id, _manifest(job, stats, status, plan, sink.engine_version,
-                                                    limit, retry_errors))
+            manifest = _manifest(job, stats, status, plan, sink.engine_version, limit,
+                                 retry_errors)
+            manifest["reason"] = reason
+            output.write_manifest(run_id, manifest)
     if closing_error is not None:
         raise closing_error
-    rate = stats.pages_with_errors / stats.pages_todo if stats.pages_todo else 0.0
-    if rate > job.max_error_rate:
-        raise ErrorBudgetExceeded(
-            f"{stats.pages_with_errors} of {stats.pages_todo} pages failed "
-            f"({rate:.1%}), over max_error_rate {job.max_error_rate:.1%}")
+    if budget_error is not None:
+        raise budget_error
     return stats
+
+
+def _over_error_budget(job: Job, stats: RunStats) -> ErrorBudgetExceeded | None:
+    rate = stats.pages_with_errors / stats.pages_todo if stats.pages_todo else 0.0
+    if rate <= job.max_error_rate:
+        return None
+    return ErrorBudgetExceeded(f"{stats.pages_with_errors} of {stats.pages_todo} pages failed "
+                               f"({rate:.1%}), over max_error_rate {job.max_error_rate:.1%}")
 
 
 def _manifest(job: Job, stats: RunStats, status: str, plan, engine_version: str | None,

@@ -125,13 +125,14 @@ class OutputFolder:
         self.pages = self.root / "pages"
         self.runs = self.root / "_runs"
         try:
-            for folder in (self.results, self.pages, self.runs):
+            for folder in (self.root, self.results, self.pages, self.runs):
+                failing = folder
                 folder.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+                probe = folder / f".write-test-{os.getpid()}"  # each: one may be read-only
+                probe.write_bytes(b"")
+                probe.unlink()
         except OSError as e:
-            raise JobCannotRunError(f"output folder {self.root} is not writable: "
+            raise JobCannotRunError(f"output folder {failing} is not writable: "
                                     f"{e.strerror or e}") from None
 
     @contextlib.contextmanager
