@@ -55,6 +55,18 @@ def test_broken_files_give_a_reason(tmp_path, make, reason):
     assert reason in probe.error and probe.pages == []
 
 
+def test_a_large_format_scan_is_taken_and_the_bomb_limit_is_a_setting(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "scan.png"
+    Image.new("1", (12000, 9000)).save(path, optimize=True)  # 108 MP, Pillow refuses it
+    assert ingest.probe(str(path), 150, None).error is None
+    strict = ingest.probe(str(path), 150, None, max_megapixels=50)
+    assert "render.max_image_megapixels (50)" in strict.error
+    page = ingest.render(str(path), "image", 1, Render(max_pixels=MAX))
+    assert page.width * page.height <= MAX
+
+
 def test_pdf_without_its_xref_table_is_repaired(tmp_path):
     """MuPDF rebuilds a PDF cut short just before its xref table: every page renders."""
     whole = oddfiles.pdf(tmp_path / "whole.pdf", pages=2).read_bytes()

@@ -20,6 +20,7 @@ from vlbatch.errors import JobFileError
 
 # Placeholders a prompt may use; any other brace is literal text (prompts often hold JSON).
 PROMPT_PLACEHOLDERS = ("text_layer", "source", "page")
+DEFAULT_MAX_IMAGE_MEGAPIXELS = 200.0
 _PLACEHOLDER = re.compile("{(" + "|".join(PROMPT_PLACEHOLDERS) + ")}")
 
 
@@ -72,6 +73,10 @@ class Render(_Strict):
                                   "use in all, counted in plan order; its later pages get "
                                   "error rows 'timeout'.")
     pdf_password: str | None = None
+    max_image_megapixels: float = Field(default=DEFAULT_MAX_IMAGE_MEGAPIXELS, gt=0, description=
+                                        "Image files larger than this are refused (a "
+                                        "decompression bomb guard); large-format scans run to "
+                                        "100-150 MP.")
 
     @model_validator(mode="after")
     def _bounds(self) -> Render:

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from PIL import Image
 
-from vlbatch.job import Render
+from vlbatch.job import DEFAULT_MAX_IMAGE_MEGAPIXELS, Render
 from vlbatch.pipeline import imaging
 
 PDF_MAGIC = b"%PDF-"
@@ -91,14 +91,16 @@ def _open_pdf(path: str, password: str | None):
     return doc
 
 
-def _open_image(path: str) -> Image.Image:
+def _open_image(path: str, max_megapixels: float) -> Image.Image:
+    """The image, lazily; refused past `render.max_image_megapixels` (a decompression bomb
+    guard: Pillow's own limit, ~89 MP, stops large-format scans)."""
+    Image.MAX_IMAGE_PIXELS = int(max_megapixels * 1e6)  # per process: each worker sets it
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     try:
         return Image.open(path)
-    except Image.DecompressionBombError as e:
-        raise ValueError(f"decompression bomb: {e}") from None
-    except Image.DecompressionBombWarning as e:
-        raise ValueError(f"decompression bomb: {e}") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ValueError(f"image over render.max_image_megapixels ({max_megapixels:g}): "
+                         f"{e}") from None
     except Exception as e:
         raise ValueError(f"not a readable image or PDF: {e}") from None
 
@@ -118,14 +120,15 @@ def _degenerate_box(doc, page) -> str | None:
     return None
 
 
-def probe(path: str, dpi: int, password: str | None) -> Probe:
+def probe(path: str, dpi: int, password: str | None,
+          max_megapixels: float = DEFAULT_MAX_IMAGE_MEGAPIXELS) -> Probe:
     """Page count and sizes, without rendering."""
     try:
         kind = file_kind(path)
         if kind == "pdf":
             with _open_pdf(path, password) as doc:
                 if doc.page_count == 0:
-                    return Probe(kind, [], "PDF has no pages")
+                    return Probe(kind, [], "PDF has no pages (empty, or damaged past repair)")
                 pages = []
                 for i in range(doc.page_count):
                     try:
@@ -141,7 +144,7 @@ def probe(path: str, dpi: int, password: str | None) -> Probe:
                     except Exception as e:
                         pages.append(PageSize(i + 1, 0, 0, f"cannot read page: {e}"))
                 return Probe(kind, pages)
-        with _open_image(path) as image:
+        with _open_image(path, max_megapixels) as image:
             frames = getattr(image, "n_frames", 1) if image.format in ("TIFF", "MPO") else 1
             pages = []
             for frame in range(frames):
@@ -194,7 +197,7 @@ def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
         image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
         rendered = _finish(image, pdf_page.get_text("text"), min_pixels, max_pixels)
     else:
-        with _open_image(path) as image:
+        with _open_image(path, settings.max_image_megapixels) as image:
             if page > 1:
                 image.seek(page - 1)
             image.load()

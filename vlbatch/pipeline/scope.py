@@ -48,7 +48,8 @@ def find_sources(job: Job) -> tuple[Source, ...]:
 def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[ingest.Probe]:
     r = job.render
     probes = []
-    for _, result in pool.imap(ingest.probe, sources, lambda s: (s.abs_path, r.dpi, r.pdf_password)):
+    for _, result in pool.imap(ingest.probe, sources,
+                               lambda s: (s.abs_path, r.dpi, r.pdf_password, r.max_image_megapixels)):
         probes.append(result if isinstance(result, ingest.Probe)
                       else ingest.Probe("unknown", [], str(result)))
     return probes
