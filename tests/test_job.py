@@ -75,9 +75,18 @@ def test_cli_missing_job_file_and_bad_flag_exit_2(tmp_path):
 
 
 def test_prompt_placeholders_by_name_other_braces_literal():
-    task = Task(name="t", prompt='Return {"a": 1, "b": [{}]} for {source} p{page}: {text_layer} {other}')
+    task = Task(name="t", prompt='Return {"a": 1, "b": [{}]} for {source} p{page}: {text_layer} {{other}}')
     out = task.render_prompt(text_layer="HELLO", source="x.pdf", page=3)
     assert out == 'Return {"a": 1, "b": [{}]} for x.pdf p3: HELLO {other}'
+
+
+def test_an_unknown_placeholder_is_a_job_file_error(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\ninputs: ['*.pdf']\noutput: out\nmodel: m\n"
+                   "tasks:\n  - name: summary\n    prompt: 'Summarise: {textlayer}'\n")
+    result = CliRunner().invoke(app, ["run", str(job)])
+    assert result.exit_code == 2
+    assert "tasks.0.prompt" in result.output and "unknown placeholder {textlayer}" in result.output
 
 
 def test_prompt_placeholders_in_one_pass_a_text_layer_is_not_rewritten():

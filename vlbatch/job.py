@@ -21,7 +21,8 @@ from vlbatch.errors import JobFileError
 # Placeholders a prompt may use; any other brace is literal text (prompts often hold JSON).
 PROMPT_PLACEHOLDERS = ("text_layer", "source", "page")
 DEFAULT_MAX_IMAGE_MEGAPIXELS = 200.0
-_PLACEHOLDER = re.compile("{(" + "|".join(PROMPT_PLACEHOLDERS) + ")}")
+_PLACEHOLDER = re.compile(r"\{\{([A-Za-z_]\w*)\}\}|\{(" + "|".join(PROMPT_PLACEHOLDERS) + r")\}")
+_WORD_IN_BRACES = re.compile(r"\{\{[A-Za-z_]\w*\}\}|\{([A-Za-z_]\w*)\}")  # group 1: not escaped
 
 
 class _Strict(BaseModel):
@@ -40,11 +41,29 @@ class Task(_Strict):
     ignore_eos: bool = Field(default=False, description="Generate max_tokens whatever the "
                              "model says (benchmarks force a fixed output length with it).")
 
+    @field_validator("prompt")
+    @classmethod
+    def _known_placeholders(cls, prompt: str) -> str:
+        """A {word} that is not a placeholder is a typo ({textlayer}) that would reach the
+        model as it is: refused. JSON braces ({"a": 1}) are not words; {{word}} is sent as
+        {word}."""
+        unknown = sorted({m[1] for m in _WORD_IN_BRACES.finditer(prompt) if m[1] is not None
+                          and m[1] not in PROMPT_PLACEHOLDERS})
+        if unknown:
+            known = ", ".join("{" + k + "}" for k in PROMPT_PLACEHOLDERS)
+            raise ValueError(f"unknown placeholder {', '.join('{' + u + '}' for u in unknown)} "
+                             f"(known: {known}; write {{{{word}}}} for a literal {{word}})")
+        return prompt
+
     def render_prompt(self, **values: object) -> str:
         """Substitute the known {placeholders} by name, in one pass (a text layer that says
-        "{page}" stays as it is); leave every other brace as it is."""
-        return _PLACEHOLDER.sub(
-            lambda m: str(values[m[1]]) if m[1] in values else m[0], self.prompt)
+        "{page}" stays as it is); {{word}} becomes {word}; every other brace stays."""
+        def fill(m: re.Match) -> str:
+            if m[1] is not None:  # {{word}}
+                return "{" + m[1] + "}"
+            return str(values[m[2]]) if m[2] in values else m[0]
+
+        return _PLACEHOLDER.sub(fill, self.prompt)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes this task's answers (prompt and sampling)."""
