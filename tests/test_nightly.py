@@ -156,10 +156,8 @@ def test_readme_queries_as_written(samples, write_job, tmp_path, monkeypatch):
     newest = all_rows.sort("finished_at").group_by(KEY).last()
     assert sorted(current["output"].to_list()) == sorted(newest["output"].to_list())
 
-    import duckdb
-
-    sql = readme_block("sql", "QUALIFY")
-    from_duckdb = duckdb.sql(sql).pl()
+    exec(readme_block("python", "QUALIFY"), scope)
+    from_duckdb = scope["current"]
     assert from_duckdb.height == 14
     joined = from_duckdb.join(current, on=KEY)
     assert (joined["output"] == joined["output_right"]).all()
