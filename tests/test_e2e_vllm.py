@@ -96,7 +96,7 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     nothing = run_cli("run", str(write_job(job_fields(tiny_model, ["none/*.pdf"]), "n.yaml")))
     assert nothing.returncode == 3 and "no inputs matched" in nothing.stderr
     missing = run_cli("run", str(write_job(job_fields(tmp_path / "no-model", ["docs/*"]), "m.yaml")))
-    assert missing.returncode == 3 and "no-model" in missing.stderr
+    assert missing.returncode == 3 and "no-model does not exist" in missing.stderr
     assert "Traceback" not in missing.stderr
 
 

@@ -118,3 +118,21 @@ def test_engine_settings_reach_vllm_arguments(tmp_path):
     assert kwargs["mm_processor_kwargs"]["size"]["longest_edge"] == 500000
     assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
     assert job.engine.compile_cache_dir == (tmp_path / "vllm-cache").resolve()
+
+
+def test_a_model_folder_that_does_not_exist_is_said_before_anything_runs(tmp_path):
+    from vlbatch.errors import JobCannotRunError
+    from vlbatch.job import Job
+    from vlbatch.run import run_job
+
+    def job(model):
+        return Job(name="t", inputs=["*.pdf"], output=tmp_path / "out", model=model,
+                   tasks=[Task(name="t", prompt="p")], base_dir=tmp_path)
+
+    assert job("Qwen/Qwen3-VL-8B-Instruct").missing_model_folder() is None  # a hub id
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    assert job("models/x").missing_model_folder() is None
+    assert "does not exist" in job("../models/x").missing_model_folder()
+    with pytest.raises(JobCannotRunError, match="models/y/z does not exist"):
+        run_job(job("models/y/z"))
+    assert not (tmp_path / "out").exists()  # nothing probed, nothing written

@@ -179,5 +179,9 @@ def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
                                  "pages": 2}
     assert len(report["runs"]) == 1 and report["runs"][0]["rows_error"] == 4
     assert sum(e["rows"] for e in report["top_errors"]) == 4
+    assert "pages" not in report and all(set(r) == {"task", "status", "error_kind", "rows"}
+                                         for r in report["by_task"])
+    assert (tmp_path / "out" / ".lock").read_text() == ""  # the run is over: no holder named
     table = run_cli("inspect", str(tmp_path / "out"))
     assert table.returncode == 0 and "top error reasons" in table.stdout
+    assert run_cli("cache", "stats", "--cache-dir", str(tmp_path / "nowhere")).returncode == 3

@@ -28,8 +28,14 @@ out_console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240
 
 
 def _setup_logging(debug: bool) -> None:
-    handler = RichHandler(console=err_console, show_path=debug, rich_tracebacks=debug)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    if err_console.is_terminal:
+        handler: logging.Handler = RichHandler(console=err_console, show_path=debug,
+                                               rich_tracebacks=debug)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:  # cron, a pipe: one line per event, an ISO time, no colours
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s",
+                                               "%Y-%m-%dT%H:%M:%S%z"))
     if debug:  # everything, the engine's loggers included
         logging.basicConfig(level=logging.DEBUG, handlers=[handler], force=True)
     else:  # vlbatch's own log only; other libraries' warnings are not the user's business
@@ -150,7 +156,7 @@ def inspect(
         for column in ("task", "status", "error kind", "rows"):
             tasks.add_column(column)
         for row in report["by_task"]:
-            tasks.add_row(row["task"], row["status"], row["error_kind"] or "", str(row["len"]))
+            tasks.add_row(row["task"], row["status"], row["error_kind"] or "", str(row["rows"]))
         out_console.print(tasks)
     if report["top_errors"]:
         errors = Table(title="top error reasons", title_justify="left")
@@ -160,6 +166,20 @@ def inspect(
         for row in report["top_errors"]:
             errors.add_row(str(row["rows"]), row["error_kind"] or "", row["error"])
         out_console.print(errors)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from vlbatch import __version__
+
+        out_console.print(f"vlbatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version,
+                                          is_eager=True, help="Print the version and exit.")) -> None:
+    """Folders of PDFs and images -> Parquet tables of VLM answers (vLLM)."""
 
 
 cache_app = typer.Typer(no_args_is_help=True, help="The cache folder of a job (results, rendered pages).")
@@ -181,6 +201,10 @@ def _cache_tenants(job_file: Optional[Path], cache_dir: Optional[str],
         folder, own = Path(cache_dir).resolve(), None
     else:
         raise JobFileError("name a job file or --cache-dir")
+    if not folder.is_dir():
+        from vlbatch.errors import JobCannotRunError
+
+        raise JobCannotRunError(f"no cache folder at {folder}")
     if every:
         return folder, namespaces(folder)
     if namespace or own:

@@ -48,7 +48,7 @@ def inspect_output(root: Path) -> dict:
                      "rows_transient": s.get("rows_transient"), "seconds": s.get("seconds"),
                      "pages_per_s": s.get("pages_per_s")})
     report: dict = {"output": str(root), "runs": runs, "rows_written": 0, "current": {},
-                    "by_task": [], "top_errors": [], "pages": 0}
+                    "by_task": [], "top_errors": []}
     if not list((root / "results").glob("part-*.parquet")):
         return report
     glob = str(root / "results" / "part-*.parquet")
@@ -61,7 +61,7 @@ def inspect_output(root: Path) -> dict:
                          "transient": current.filter(pl.col("error_kind") == "transient").height,
                          "sources": current["source"].n_unique(),
                          "pages": current.select("source", "page").unique().height}
-    report["by_task"] = (current.group_by("task", "status", "error_kind").len()
+    report["by_task"] = (current.group_by("task", "status", "error_kind").len("rows")
                          .sort("task", "status", "error_kind", nulls_last=True).to_dicts())
     report["top_errors"] = (current.filter(pl.col("status") == "error")
                             .group_by("error", "error_kind").len()

@@ -221,6 +221,16 @@ class Job(_Strict):
         """This job's part of the cache folder: its namespace's answers and pages."""
         return self.cache / self.cache_namespace
 
+    def missing_model_folder(self) -> str | None:
+        """Why `model:` names neither an existing folder nor a Hugging Face id, or None. An
+        id is `name` or `org/name`; anything else (a leading . / ~, more slashes) is a path."""
+        model = self.model
+        hub_like = re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", model) is not None
+        if hub_like or (self.base_dir / model).is_dir():
+            return None
+        return (f"model folder {self.base_dir / model} does not exist (and '{model}' is not a "
+                f"Hugging Face id, which looks like org/name)")
+
     def model_path(self) -> str:
         """The model as vLLM takes it: a local folder (relative to the job file); else a hub
         id's snapshot already in the local Hugging Face cache, so a nightly run on a server

@@ -92,6 +92,9 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
     """Run the job; its stats. `on_start` gets the stats object as soon as it exists (the
     CLI shows it however the run ends)."""
     started = time.monotonic()
+    missing = job.missing_model_folder()
+    if missing is not None:  # said now, not after probing every input
+        raise JobCannotRunError(missing)
     output = OutputFolder(job.output)
     with output.lock():
         run_id = new_run_id()

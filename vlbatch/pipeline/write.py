@@ -141,6 +141,7 @@ class OutputFolder:
         dies, so a lock left by a dead process is simply taken over."""
         path = self.root / ".lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        held = False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -151,9 +152,12 @@ class OutputFolder:
                 raise OutputLocked(f"another run holds {path} ({holder}); try again later") from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}".encode(), 0)
+            held = True
             self.remove_stale_temporaries()
             yield
         finally:
+            if held:
+                os.ftruncate(fd, 0)  # no holder named once the run is over
             os.close(fd)  # closing releases the flock
 
     def remove_stale_temporaries(self) -> int:
