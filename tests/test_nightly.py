@@ -22,13 +22,19 @@ from vlbatch.run import run_job
 KEY = ["source", "page", "task"]
 
 
-def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
-    make_pages.main(tmp_path / "docs", 40, per_pdf=8)
-    fields = job_fields(tiny_model, ["docs/*.pdf"], part_rows=4, part_seconds=600)
-    fields["engine"]["max_in_flight"] = 1  # one request at a time: a window to kill in
+def one_request_at_a_time(tiny_model, write_job, tmp_path, pages: int, part_rows: int):
+    """A job over generated PDFs that the real engine answers one request at a time: a
+    window to stop it in."""
+    make_pages.main(tmp_path / "docs", pages, per_pdf=8)
+    fields = job_fields(tiny_model, ["docs/*.pdf"], part_rows=part_rows, part_seconds=600)
+    fields["engine"]["max_in_flight"] = 1
     for task in fields["tasks"]:
         task["max_tokens"] = 24
-    job = write_job(fields)
+    return write_job(fields)
+
+
+def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
+    job = one_request_at_a_time(tiny_model, write_job, tmp_path, 40, part_rows=4)
     results = tmp_path / "out" / "results"
     proc = subprocess.Popen([sys.executable, "-m", "vlbatch", "run", str(job)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -68,12 +74,7 @@ def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model,
     part was due), manifest 'interrupted'; the next run does only the rest, each key once."""
     import diskcache
 
-    make_pages.main(tmp_path / "docs", 24, per_pdf=8)
-    fields = job_fields(tiny_model, ["docs/*.pdf"], part_rows=10_000, part_seconds=600)
-    fields["engine"]["max_in_flight"] = 1  # one request at a time: a window to stop in
-    for task in fields["tasks"]:
-        task["max_tokens"] = 24
-    job = write_job(fields)
+    job = one_request_at_a_time(tiny_model, write_job, tmp_path, 24, part_rows=10_000)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "vlbatch", "run", str(job)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
