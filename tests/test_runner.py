@@ -273,6 +273,15 @@ def test_transient_errors_are_retried_by_the_next_runs_up_to_max_attempts(sample
     assert stats.rows_ok == 14 and (results(job, "out2")["attempt"].max() == 4)
 
 
+def test_requests_too_long_for_the_model_are_said_before_generating(samples, write_job, caplog):
+    fields = job_fields("fake-model", [f"{samples}/chart.jpg", f"{samples}/scan.jpg"])
+    fields["tasks"][1]["prompt"] = "word " * 3000  # max_model_len is 2048
+    with caplog.at_level("WARNING", logger="vlbatch"):
+        run(write_job(fields), engine=FakeEngine(reject="word word"))
+    said = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("2 pages have a request of at least 3")
+
+
 def test_rejected_request_is_a_permanent_error_row(samples, write_job):
     fields = job_fields("fake-model", [f"{samples}/chart.jpg"])
     fields["tasks"][1]["prompt"] = "LONG " * 5

@@ -8,6 +8,7 @@ and comes after (`order`), once the processor has loaded.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import WorkerPool
 from vlbatch.pipeline.write import DoneKey, History
+
+log = logging.getLogger("vlbatch")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,16 @@ def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
 
 
 def order(job: Job, units: tuple[PageUnit, ...], prompts) -> list[PageUnit]:
-    """The pages in the order to generate them (prompts: the model's PromptBuilder)."""
-    return order_for_generation(units, prompts.text_tokens, job.render.min_pixels,
-                                job.render.max_pixels)
+    """The pages in the order to generate them (prompts: the model's PromptBuilder). Pages
+    whose requests are already too long for the model (before their text layer) are said
+    before anything is generated: vLLM will refuse them."""
+    ordered = order_for_generation(units, prompts.text_tokens, job.render.min_pixels,
+                                   job.render.max_pixels)
+    limit = job.engine.max_model_len
+    too_long = [u for u in ordered if limit and u.est_tokens > limit]
+    if too_long:
+        log.warning("%d pages have a request of at least %d tokens, over engine.max_model_len "
+                    "%d: vLLM will refuse those requests (error rows 'request rejected'); "
+                    "raise max_model_len or lower render.max_pixels", len(too_long),
+                    min(u.est_tokens for u in too_long), limit)
+    return ordered
