@@ -76,7 +76,14 @@ def _signals_stop_the_run():
 def _fail(error: BaseException, debug: bool) -> None:
     if debug:
         err_console.print_exception()
-    if isinstance(error, (VlbatchError, RunInterrupted)):
+    if isinstance(error, RunInterrupted):  # rows and manifest are on disk, synced
+        err_console.print(f"vlbatch: {error}", markup=False, highlight=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # at once: the engine's native threads may abort a normal interpreter exit
+        # ("terminate called without an active exception") and lose the exit code
+        os._exit(error.exit_code)
+    if isinstance(error, VlbatchError):
         err_console.print(f"vlbatch: {error}", markup=False, highlight=False)
         raise typer.Exit(error.exit_code)
     err_console.print(f"vlbatch: internal error: {type(error).__name__}: {error}",

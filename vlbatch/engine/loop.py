@@ -112,9 +112,9 @@ class EngineLoop:
         log.error("%s", reason)
         with self.lock:
             self.failed = reason
-        self._fail_waiting()
-        if self.on_down is not None:
+        if self.on_down is not None:  # first: the executor hears of it before the failures
             self.on_down(reason)
+        self._fail_waiting()
         while True:  # requests still arriving fail at once (submit sees `failed`)
             try:
                 if self.inbox.get(timeout=1.0) is _CLOSE:

@@ -152,6 +152,8 @@ class LocalExecutor:
                     raise EngineStayedDown(f"{event[1]} (after one restart); rendering "
                                            f"stopped, the pages left have transient error "
                                            f"rows that the next run retries")
+            if loop is not None and loop.failed is not None and loop.restart is not None:
+                raise EngineStayedDown(f"{loop.failed} (after one restart)")  # all were in flight
             if ready_at is not None:
                 sink.stats.generation_s = round(time.monotonic() - ready_at, 2)
             finished = True
