@@ -62,12 +62,12 @@ def test_copies_merge_same_template_pages_never(write_job, tmp_path):
     stats, engine = run(write_job(one_task(job_fields("fake-model", ["docs/*"]))))
     df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet").sort("source")
     assert len(engine.requests) == 3 and stats.near_copies == 2
-    origin = dict(zip(df["source"], df["reused_from"]))
+    origin = dict(zip(df["matched_path"], df["reused_from"]))
     group_a = {origin["docs/a-copy.png"], origin["docs/a-q80.jpg"], origin["docs/a.pdf"]}
     group_b = {origin["docs/b-q80.jpg"], origin["docs/b.pdf"]}
     assert len(group_a) == 2 and None in group_a  # one of the three generated, two reused it
     assert len(group_b) == 2 and None in group_b and origin["docs/c.pdf"] is None
-    answers = dict(zip(df["source"], df["output"]))
+    answers = dict(zip(df["matched_path"], df["output"]))
     assert answers["docs/a.pdf"] == answers["docs/a-q80.jpg"] == answers["docs/a-copy.png"]
     assert len({answers["docs/a.pdf"], answers["docs/b.pdf"], answers["docs/c.pdf"]}) == 3
 

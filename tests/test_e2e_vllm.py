@@ -80,9 +80,9 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     result = run_cli("run", str(job), "--limit", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
-    assert sorted(set(zip(df["source"], df["page"].fill_null(0)))) == [
+    assert sorted(set(zip(df["matched_path"], df["page"].fill_null(0)))) == [
         ("docs/a.pdf", 1), ("docs/a.pdf", 2), ("docs/a.pdf", 3), ("docs/b-broken.pdf", 0)]
-    assert df.filter(pl.col("source") == "docs/b-broken.pdf")["status"].unique().to_list() == ["error"]
+    assert df.filter(pl.col("matched_path") == "docs/b-broken.pdf")["status"].unique().to_list() == ["error"]
     assert df.filter(pl.col("status") == "ok").height == 6
     rejected = df.filter(pl.col("task") == "too-long")
     assert rejected.height == 4 and (rejected["status"] == "error").all()

@@ -186,13 +186,13 @@ def test_file_time_limit_under_ray_keeps_finished_pages(local_ray, write_job, tm
     run_job(load_job(write_job(fields)), prompts_factory=fakes.fake_prompts,
             engine_factory=lambda job, prompts: fakes.FakeEngine())
     df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
-    long = df.filter(pl.col("source") == "docs/long.pdf")
+    long = df.filter(pl.col("matched_path") == "docs/long.pdf")
     assert long.height == 24 and set(long["page"].to_list()) == set(range(1, 13))
     ok, timed_out = long.filter(pl.col("status") == "ok"), long.filter(pl.col("status") == "error")
     # decided in plan order (same-size pages: input order): the first page used the budget up
     assert set(ok["page"].to_list()) == {1} and timed_out.height == 22
     assert timed_out["error"].str.starts_with("timeout: the file used up its time limit").all()
-    assert (df.filter(pl.col("source") == "docs/short.pdf")["status"] == "ok").all()
+    assert (df.filter(pl.col("matched_path") == "docs/short.pdf")["status"] == "ok").all()
 
 
 def test_address_null_starts_its_own_cluster(monkeypatch):

@@ -201,8 +201,9 @@ def test_bad_files_become_error_rows_and_the_run_goes_on(write_job, tmp_path):
     (docs / "notes.txt").write_text("not a document")
     stats, _ = run(write_job(job_fields("fake-model", ["docs/*"])))
     df = results(write_job(job_fields("fake-model", ["docs/*"])))
-    by_source = df.group_by("source").agg(pl.col("status"), pl.col("page"), pl.col("error").first())
-    statuses = {row["source"]: set(row["status"]) for row in by_source.to_dicts()}
+    by_source = df.group_by("matched_path").agg(pl.col("status"), pl.col("page"),
+                                                pl.col("error").first())
+    statuses = {row["matched_path"]: set(row["status"]) for row in by_source.to_dicts()}
     assert statuses == {"docs/good.pdf": {"ok"}, "docs/frames.tiff": {"ok"}, "docs/noise.pdf": {"error"},
                         "docs/empty.pdf": {"error"}, "docs/locked.pdf": {"error"},
                         "docs/bomb.png": {"error"}, "docs/notes.txt": {"error"}}
@@ -210,7 +211,7 @@ def test_bad_files_become_error_rows_and_the_run_goes_on(write_job, tmp_path):
     assert errors["page"].is_null().all() and errors["error"].is_not_null().all()
     assert errors["output"].is_null().all()
     assert df.height == 2 * (2 + 2 + 5)  # 2 tasks x (4 pages + 5 files that failed)
-    locked = errors.filter(pl.col("source") == "docs/locked.pdf")["error"][0]
+    locked = errors.filter(pl.col("matched_path") == "docs/locked.pdf")["error"][0]
     assert "encrypted" in locked
 
 
@@ -311,7 +312,30 @@ def test_error_budget_and_retry_errors(write_job, tmp_path):
     stats, engine = run(job)
     assert stats.pages_todo == 1 and len(engine.requests) == 2 and stats.rows_ok == 2
     df = results(job)
-    assert df.filter(pl.col("source") == "docs/bad.pdf")["status"].to_list().count("error") == 4
+    assert df.filter(pl.col("matched_path") == "docs/bad.pdf")["status"].to_list().count("error") == 4
+
+
+def test_moving_the_job_file_changes_nothing(samples, tmp_path):
+    """Rows are keyed by the input's absolute path: the same job moved one folder down,
+    its relative globs rewritten to the same files, finds everything done."""
+    import yaml
+
+    docs = tmp_path / "docs"
+    shutil.copytree(samples, docs)
+    first = tmp_path / "jobs" / "job.yaml"
+    moved = tmp_path / "jobs" / "nightly" / "job.yaml"
+    moved.parent.mkdir(parents=True)
+    for job, up in ((first, "../"), (moved, "../../")):
+        job.write_text(yaml.safe_dump(job_fields("fake-model", [f"{up}docs/*"],
+                                                 output=str(tmp_path / "out"),
+                                                 cache=str(tmp_path / "cache"))))
+    stats, engine = run(first)
+    assert len(engine.requests) == 12
+    stats, engine = run(moved)
+    assert stats.pages_todo == 0 and len(engine.requests) == 0
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    assert df["source"].str.starts_with(str(docs) + "/").all()
+    assert df["matched_path"].str.starts_with("../docs/").all()
 
 
 def test_limit_counts_pages_in_input_order(samples, write_job):
@@ -382,13 +406,13 @@ def test_file_time_limit_keeps_finished_pages(write_job, tmp_path):
     job = write_job(fields)
     stats, _ = run(job)
     df = results(job)
-    long = df.filter(pl.col("source") == "docs/long.pdf")
+    long = df.filter(pl.col("matched_path") == "docs/long.pdf")
     assert long.height == 60 and set(long["page"].to_list()) == set(range(1, 31))  # all accounted for
     ok, timed_out = long.filter(pl.col("status") == "ok"), long.filter(pl.col("status") == "error")
     # decided in plan order (same-size pages: input order): the first page used the budget up
     assert set(ok["page"].to_list()) == {1} and timed_out.height == 58
     assert timed_out["error"].str.starts_with("timeout: the file used up its time limit").all()
-    assert (df.filter(pl.col("source") == "docs/short.pdf")["status"] == "ok").all()
+    assert (df.filter(pl.col("matched_path") == "docs/short.pdf")["status"] == "ok").all()
 
 
 def test_degenerate_page_box_is_an_error_row_other_pages_go_on(write_job, tmp_path):

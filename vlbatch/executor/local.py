@@ -69,7 +69,7 @@ class LocalExecutor:
                                           u.feature_key(job.render) if job.feature_cache else None)
                 for unit, outcome in render_in_order(
                         ctx.pool, ordered, spec, job.render,
-                        FileTimeBudget(job.render.file_timeout_s), lambda u: u.source.path,
+                        FileTimeBudget(job.render.file_timeout_s), lambda u: u.source.abs_path,
                         lambda u: rank[u.order]):
                     if isinstance(outcome, RenderedPage):  # the image built here, not later
                         outcome = outcome.with_image()
@@ -97,7 +97,8 @@ class LocalExecutor:
                         events.put(("routed_all", str(item) if item is not None else None))
                         return
                     unit, outcome = item
-                    routed = router.route(unit.source.path, unit.page, unit.tasks, outcome)
+                    routed = router.route(unit.source.abs_path, unit.page, unit.tasks, outcome,
+                                          unit.source.path)
                     if not isinstance(routed, RoutedPage):
                         events.put(("failed", unit, routed))
                         continue

@@ -99,8 +99,9 @@ class RayExecutor:
         context.execution_options.preserve_order = True  # routing decides in plan order
         context.enable_progress_bars = False  # vlbatch shows its own progress
         context.print_on_execution_start = log.isEnabledFor(logging.DEBUG)
-        items = [{"order": u.order, "rank": rank, "source": u.source.path, "page": u.page,
-                  "path": u.source.abs_path, "kind": u.kind,
+        items = [{"order": u.order, "rank": rank, "source": u.source.abs_path,
+                  "matched": u.source.path, "page": u.page, "path": u.source.abs_path,
+                  "kind": u.kind,
                   "tasks": json.dumps([t.name for t in u.tasks]),
                   "page_key": u.feature_key(job.render) if job.feature_cache else None}
                  for rank, u in enumerate(units)]

@@ -25,8 +25,8 @@ from vlbatch.pipeline.render import FileTimeBudget, PageSpec, RenderFailure, ren
 from vlbatch.pipeline.route import RoutedPage, TaskRoute
 
 PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
-    "order": pa.int64(), "rank": pa.int64(), "source": pa.string(), "page": pa.int32(),
-    "error": pa.string(),
+    "order": pa.int64(), "rank": pa.int64(), "source": pa.string(), "matched": pa.string(),
+    "page": pa.int32(), "error": pa.string(),
     "row_error": pa.string(), "cost_s": pa.float64(), "width": pa.int32(),
     "height": pa.int32(), "rgb": pa.binary(), "text_layer": pa.string(),
     "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
@@ -141,7 +141,8 @@ class RoutePages:
         rows = batch.to_pylist()
         for row in rows:
             tasks = [self.tasks[name] for name in json.loads(row["tasks"])]
-            routed = self.router.route(row["source"], row["page"], tasks, outcome_of(row))
+            routed = self.router.route(row["source"], row["page"], tasks, outcome_of(row),
+                                       row["matched"])
             if isinstance(routed, RenderFailure):
                 row.update(outcome_columns(routed), rgb=None)
                 continue

@@ -37,7 +37,7 @@ class PageUnit:
 
     @property
     def ref(self) -> str:
-        return f"{self.source.path}#{self.page}"
+        return f"{self.source.abs_path}#{self.page}"
 
     def feature_key(self, render: Render) -> str:
         """This page's key in the feature cache, for the job's render settings."""
@@ -47,7 +47,7 @@ class PageUnit:
 
 def done_key(unit: PageUnit, task: Task, task_hash: str) -> DoneKey:
     """What makes a row current across runs (write.py's History; task_hash: identity.py)."""
-    return unit.source.path, unit.page, task.name, unit.source.sha256, task_hash
+    return unit.source.abs_path, unit.page, task.name, unit.source.sha256, task_hash
 
 
 def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageUnit]:

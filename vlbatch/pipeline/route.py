@@ -68,21 +68,23 @@ class Router:
         self.model = model_identity(job)
 
     def route(self, source: str, page: int, tasks: Iterable[Task],
-              outcome: RenderedPage | RenderFailure) -> RoutedPage | RenderFailure:
-        """Called once per page, in plan order."""
+              outcome: RenderedPage | RenderFailure,
+              matched: str | None = None) -> RoutedPage | RenderFailure:
+        """Called once per page, in plan order. source: the input's absolute path (its
+        identity); matched: the path as the job's glob matched it, for {source} in prompts."""
         if not self.budget.admit(source, cost_of(outcome)):
             return RenderFailure(self.budget.reason, self.budget.reason)
         if isinstance(outcome, RenderFailure):
             return outcome
         canonical, relation = self.deduper.match(outcome.content_hash, outcome.phash,
                                                  outcome.image(), outcome.text_layer)
-        routes = tuple(self._route_task(task, canonical, outcome.text_layer, source, page)
-                       for task in tasks)
+        routes = tuple(self._route_task(task, canonical, outcome.text_layer, source, page,
+                                        matched or source) for task in tasks)
         return RoutedPage(canonical, relation, routes)
 
     def _route_task(self, task: Task, canonical: str, text_layer: str | None, source: str,
-                    page: int) -> TaskRoute:
-        prompt = task.render_prompt(text_layer=text_layer or "", source=source, page=page)
+                    page: int, matched: str) -> TaskRoute:
+        prompt = task.render_prompt(text_layer=text_layer or "", source=matched, page=page)
         key = request_key(self.job.cache_namespace, canonical, self.model, prompt, task)
         if key in self.sent:
             return TaskRoute(task, key, "copy", origin=self.sent[key])

@@ -72,7 +72,7 @@ def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
     in_scope = units if limit is None else units[:limit]
     hashes = task_hashes(job)
     todo = select_todo(in_scope, job.tasks, is_done_in(history.done, hashes))
-    stale = sum((u.source.path, u.page, t.name, u.source.sha256) in history.answered
+    stale = sum((u.source.abs_path, u.page, t.name, u.source.sha256) in history.answered
                 and done_key(u, t, hashes[t.name]) not in history.attempts
                 for u in todo for t in u.tasks)
     return Plan(sources, len(in_scope), tuple(todo), stale)

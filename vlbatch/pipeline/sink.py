@@ -217,7 +217,7 @@ class RunSink:
         unit, task, s = row.unit, row.task, self.stats
         kind = error_kind(error)
         self.results.add(dict(
-            source=unit.source.path, page=unit.page, task=task.name,
+            source=unit.source.abs_path, page=unit.page, task=task.name,
             output=None if error is not None else output,
             status="error" if error is not None else "ok", error=error,
             content_hash=row.hashes[0], phash=row.hashes[1], cached=cached,
@@ -226,7 +226,7 @@ class RunSink:
             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
             finished_at=datetime.now(timezone.utc),
             attempt=self.attempts.get(done_key(unit, task, self.task_hashes[task.name]), 0) + 1,
-            error_kind=kind))
+            error_kind=kind, matched_path=unit.source.path))
         if error is None:
             s.rows_ok += 1
         else:
@@ -245,7 +245,7 @@ class RunSink:
     def _page_row(self, unit: PageUnit, page: RenderedPage | None, error: str | None) -> None:
         self.unseen.pop(unit.order, None)
         self.pages.add(dict(
-            source=unit.source.path, page=unit.page,
+            source=unit.source.abs_path, page=unit.page, matched_path=unit.source.path,
             width=page.width if page else None, height=page.height if page else None,
             text_layer=page.text_layer if page else None,
             content_hash=page.content_hash if page else None,

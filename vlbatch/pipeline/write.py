@@ -46,6 +46,7 @@ RESULT_SCHEMA = pa.schema([
     ("finished_at", pa.timestamp("ms", tz="UTC")),
     ("attempt", pa.int32()),  # this row's try at its key: 1, 2, ... (failures.py)
     ("error_kind", pa.string()),  # 'transient' (retried by the next run) or 'permanent'
+    ("matched_path", pa.string()),  # the input as the job's glob matched it (`source`: absolute)
 ])
 
 PAGE_SCHEMA = pa.schema([
@@ -59,6 +60,7 @@ PAGE_SCHEMA = pa.schema([
     ("source_sha256", pa.string()),
     ("error", pa.string()),
     ("run_id", pa.string()),
+    ("matched_path", pa.string()),
 ])
 
 DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
