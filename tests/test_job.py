@@ -71,7 +71,10 @@ def test_cli_exit_code_2_one_line_no_traceback(tmp_path):
 def test_cli_missing_job_file_and_bad_flag_exit_2(tmp_path):
     assert CliRunner().invoke(app, ["run", str(tmp_path / "nope.yaml")]).exit_code == 2
     assert CliRunner().invoke(app, ["run", "x.yaml", "--limit", "0"]).exit_code == 2
-    assert CliRunner().invoke(app, ["run", "x.yaml", "--bogus"]).exit_code == 2
+    bogus = CliRunner().invoke(app, ["run", "x.yaml", "--bogus"])
+    assert bogus.exit_code == 2 and "Error: No such option: --bogus" in bogus.output
+    assert "╭" not in bogus.output  # one plain line, not a box
+    assert "<bool>" not in CliRunner().invoke(app, ["run", "--help"]).output
 
 
 def test_prompt_placeholders_by_name_other_braces_literal():

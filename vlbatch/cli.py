@@ -20,7 +20,7 @@ from rich.logging import RichHandler
 
 from vlbatch.errors import ErrorBudgetExceeded, RunInterrupted, VlbatchError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                   help="Folders of PDFs and images -> Parquet tables of VLM answers (vLLM).")
 # without a terminal (cron, a pipe): one line per message, tables not cut to 80 columns
 err_console = Console(stderr=True, soft_wrap=True)
@@ -189,7 +189,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
     """Folders of PDFs and images -> Parquet tables of VLM answers (vLLM)."""
 
 
-cache_app = typer.Typer(no_args_is_help=True, help="The cache folder of a job (results, rendered pages).")
+cache_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="The cache folder of a job (results, rendered pages).")
 app.add_typer(cache_app, name="cache")
 
 
