@@ -186,3 +186,20 @@ def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
     table = run_cli("inspect", str(tmp_path / "out"))
     assert table.returncode == 0 and "top error reasons" in table.stdout
     assert run_cli("cache", "stats", "--cache-dir", str(tmp_path / "nowhere")).returncode == 3
+
+
+def test_without_a_terminal_progress_never_goes_quiet_longer_than_its_interval(caplog):
+    """No row for a while (the engine starting): a line comes every interval all the same."""
+    import io
+
+    from rich.console import Console
+
+    from vlbatch.pipeline.sink import RunStats
+    from vlbatch.report import ProgressReporter
+
+    with caplog.at_level("INFO", logger="vlbatch"):
+        with ProgressReporter(Console(file=io.StringIO()), interval_s=0.3) as progress:
+            progress.watch(RunStats(run_id="r", pages_todo=5))
+            time.sleep(1.6)  # no row at all
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pages 0/5")]
+    assert 3 <= len(lines) <= 6

@@ -114,7 +114,7 @@ def run(
         with _signals_stop_the_run(), ProgressReporter(err_console) as progress:
             try:
                 stats = run_job(job, limit=limit, retry_errors=retry_errors, progress=progress,
-                                on_start=started.append)
+                                on_start=lambda s: (started.append(s), progress.watch(s)))
             finally:
                 if started:
                     progress(started[0], force=True)

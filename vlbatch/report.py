@@ -4,6 +4,7 @@ N seconds without one, e.g. under cron) and the summary at the end."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from rich.console import Console
@@ -16,7 +17,9 @@ log = logging.getLogger("vlbatch")
 
 
 class ProgressReporter:
-    """Called by the run after every row; redraws or logs at most every `interval_s`."""
+    """Called by the run after every row; redraws or logs at most every `interval_s`.
+    Without a terminal a line also comes every `interval_s` when no row does (the engine
+    starting, long generations), so a log never goes quiet longer than it says."""
 
     def __init__(self, console: Console, interval_s: float = 30.0):
         self.console = console
@@ -26,6 +29,19 @@ class ProgressReporter:
         self.started = time.monotonic()
         self._progress: Progress | None = None
         self._task = None
+        self._stats: RunStats | None = None
+        self._stop = threading.Event()
+
+    def watch(self, stats: RunStats) -> None:
+        """The run's stats, as soon as it has them: the heartbeat reports them."""
+        self._stats = stats
+        if not self.live:
+            threading.Thread(target=self._heartbeat, name="vlbatch-progress", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(min(1.0, self.interval_s)):
+            if self._stats is not None and time.monotonic() - self.last >= self.interval_s:
+                self(self._stats, force=True)
 
     def __enter__(self) -> ProgressReporter:
         if self.live:
@@ -38,6 +54,7 @@ class ProgressReporter:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()
         if self._progress is not None:
             self._progress.stop()
 
