@@ -109,3 +109,20 @@ def degenerate_box_pdf(path: Path) -> Path:
                      b"4 0 obj<</Type/Page/Parent 2 0 R/MediaBox[0 0 595 842]>>endobj\n"
                      b"trailer<</Root 1 0 R>>\n%%EOF\n")
     return path
+
+
+def bad_icc_pdf(path: Path) -> Path:
+    """One page with text over an image whose ICC profile is garbage: MuPDF renders it (in
+    the default colour space) and prints 'MuPDF error: ... cmsOpenProfileFromMem failed'."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(buffer, "PNG")
+    doc = pymupdf.open()
+    page = doc.new_page()
+    page.insert_image(page.rect, stream=buffer.getvalue())
+    page.insert_text((50, 50), "a page with a broken colour profile")
+    profile = doc.get_new_xref()
+    doc.update_object(profile, "<< /N 3 >>")
+    doc.update_stream(profile, b"not an ICC profile " * 8)
+    doc.xref_set_key(page.get_images()[0][0], "ColorSpace", f"[/ICCBased {profile} 0 R]")
+    doc.save(path)
+    return path

@@ -5,6 +5,7 @@ token count checked against what vLLM reports."""
 from __future__ import annotations
 
 import json
+import re
 
 import polars as pl
 import pymupdf
@@ -44,6 +45,11 @@ def test_demo_job_end_to_end(demo_model, tmp_path):
                      "--cache-dir", str(cache))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pages/s" in result.stdout and "Traceback" not in result.stderr
+    # no terminal (cron): stderr is vlbatch's one-line, ISO-dated log lines and nothing else
+    # (no torch warnings, no weight-loading bars); stdout is the summary
+    log_line = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (INFO|WARNING|ERROR) \S")
+    assert all(log_line.match(line) for line in result.stderr.splitlines()), result.stderr
+    assert result.stdout.startswith("run ") and "\r" not in result.stdout + result.stderr
     df = pl.read_parquet(out / "results" / "*.parquet")
     job = load_job(ROOT / "jobs" / "demo.yaml")
     pages = expected_pages(ROOT / "data" / "samples")

@@ -30,6 +30,30 @@ def test_pdf_pages_sizes_and_text_layer(tmp_path):
     assert len(page.content_hash) == 64 and len(page.phash) == 64
 
 
+@pytest.mark.parametrize("chatter", ["0", "1"])
+def test_mupdf_repairs_are_quiet_unless_debugging(tmp_path, chatter):
+    """A page MuPDF repairs as it renders (a broken ICC profile) renders; MuPDF's messages
+    are printed only with `vlbatch --debug` (a fresh process: pymupdf binds its stream at
+    import)."""
+    import os
+    import subprocess
+    import sys
+
+    from vlbatch import LIBRARY_CHATTER_ENV
+
+    path = oddfiles.bad_icc_pdf(tmp_path / "icc.pdf")
+    code = ("import sys; from vlbatch.pipeline import ingest; from vlbatch.job import Render; "
+            "assert ingest.probe(sys.argv[1], 72, None).error is None; "
+            "print(ingest.render(sys.argv[1], 'pdf', 1, Render(dpi=72)).text_layer)")
+    env = dict(os.environ, **{LIBRARY_CHATTER_ENV: chatter})
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "broken colour profile" in done.stdout
+    printed = done.stdout + done.stderr  # pymupdf writes its messages to stdout
+    assert ("cmsOpenProfileFromMem" in printed) == (chatter == "1"), printed
+
+
 def test_rotated_pdf_page_is_landscape(tmp_path):
     path = oddfiles.pdf(tmp_path / "r.pdf", pages=1, rotate=90)
     probe = ingest.probe(str(path), 72, None)

@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
+from vlbatch import LIBRARY_CHATTER_ENV
 from vlbatch.errors import ErrorBudgetExceeded, RunInterrupted, VlbatchError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
@@ -46,10 +47,13 @@ def _setup_logging(debug: bool) -> None:
         logging.getLogger().setLevel(logging.ERROR)
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("TORCH_LOGS", "-torch")  # torch's Python loggers: errors only
     # quiet the engine's own chatter unless debugging (read when vLLM is imported)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if debug else "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "info" if debug else "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # read by the render workers (MuPDF's messages) and the engine (weight-loading bars)
+    os.environ[LIBRARY_CHATTER_ENV] = "1" if debug else "0"
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from concurrent.futures import Future, wait
 from vlbatch.engine.base import Completion, Request
 from vlbatch.engine.prompts import PromptBuilder
 from vlbatch.engine.vllm_frontend import InputFront
+from vlbatch import library_chatter
 from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job, Task
 
@@ -33,6 +34,7 @@ def engine_kwargs(job: Job) -> dict:
         gpu_memory_utilization=e.gpu_memory_utilization, load_format=e.load_format,
         enforce_eager=e.enforce_eager, trust_remote_code=e.trust_remote_code,
         limit_mm_per_prompt={"image": 1, "video": 0},
+        use_tqdm_on_load=library_chatter(),  # progress bars with carriage returns in cron logs
         # pages arrive already fitted to this budget, so the processor resizes nothing
         mm_processor_kwargs={"size": {"shortest_edge": job.render.min_pixels,
                                       "longest_edge": job.render.max_pixels}},

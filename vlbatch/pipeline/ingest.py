@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from PIL import Image
 
+from vlbatch import library_chatter
 from vlbatch.job import DEFAULT_MAX_IMAGE_MEGAPIXELS, Render
 from vlbatch.pipeline import imaging
 
@@ -79,6 +80,9 @@ def file_kind(path: str) -> str:
 def _open_pdf(path: str, password: str | None):
     import pymupdf
 
+    chatter = library_chatter()  # MuPDF prints repairs it survives (a bad ICC profile) to stderr
+    pymupdf.TOOLS.mupdf_display_errors(chatter)
+    pymupdf.TOOLS.mupdf_display_warnings(chatter)
     try:
         doc = pymupdf.open(path, filetype="pdf")
     except Exception as e:  # MuPDF's own reason: broken, empty, not a PDF
