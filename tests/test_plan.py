@@ -45,7 +45,7 @@ def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
 
     hashes = task_hashes(job)
     done = frozenset(("/f0.png", 1, t.name, "sha0", hashes[t.name]) for t in TASKS)
-    plan = make_plan(job, sources, probes, History(done, {}), limit=3)
+    plan = make_plan(job, sources, probes, History.of(done), limit=3)
     assert plan.pages_in_scope == 3 and [u.source.path for u in plan.todo] == ["f1.png", "f2.png"]
 
 

@@ -114,7 +114,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             features = FeatureCache(job.tenant_cache, job.cache_size_gib) if job.feature_cache else None
             with render_pool(job, default_workers(job.render.workers)) as pool:
                 history = output.history(retry_errors, job.max_attempts)
-                sink.attempts = history.attempts
+                sink.history = history
                 plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
                                        history, limit)
                 lap("probe_s")

@@ -19,7 +19,7 @@ from vlbatch.pipeline.discover import Source, discover
 from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import WorkerPool
-from vlbatch.pipeline.write import DoneKey, History
+from vlbatch.pipeline.write import History
 
 log = logging.getLogger("vlbatch")
 
@@ -58,9 +58,8 @@ def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[i
     return probes
 
 
-def is_done_in(done: frozenset[DoneKey] | set[DoneKey],
-               hashes: dict[str, str]) -> Callable[[PageUnit, Task], bool]:
-    return lambda unit, task: done_key(unit, task, hashes[task.name]) in done
+def is_done_in(history: History, hashes: dict[str, str]) -> Callable[[PageUnit, Task], bool]:
+    return lambda unit, task: history.is_done(done_key(unit, task, hashes[task.name]))
 
 
 def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
@@ -71,10 +70,9 @@ def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
     units = page_units(sources, probes)
     in_scope = units if limit is None else units[:limit]
     hashes = task_hashes(job)
-    todo = select_todo(in_scope, job.tasks, is_done_in(history.done, hashes))
-    stale = sum((u.source.abs_path, u.page, t.name, u.source.sha256) in history.answered
-                and done_key(u, t, hashes[t.name]) not in history.attempts
-                for u in todo for t in u.tasks)
+    todo = select_todo(in_scope, job.tasks, is_done_in(history, hashes))
+    stale = sum(history.was_answered(key) and not history.attempt(key)
+                for key in (done_key(u, t, hashes[t.name]) for u in todo for t in u.tasks))
     return Plan(sources, len(in_scope), tuple(todo), stale)
 
 

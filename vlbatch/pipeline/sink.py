@@ -22,7 +22,7 @@ from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key
 from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
-from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, DoneKey, OutputFolder, PartWriter
+from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, History, OutputFolder, PartWriter
 
 log = logging.getLogger("vlbatch")
 
@@ -126,7 +126,7 @@ class RunSink:
         self.unseen: dict[int, PageUnit] = {}  # planned pages without a page row yet
         self.tasks_left: dict[int, int] = {}
         self.error_pages: set[int] = set()
-        self.attempts: dict[DoneKey, int] = {}  # keys an earlier run tried: its attempt
+        self.history = History.of()  # what earlier runs left: the attempts made so far
         self.task_hashes = task_hashes(job)
 
     # ----- what the executors call -----
@@ -225,7 +225,7 @@ class RunSink:
             source_sha256=unit.source.sha256, task_hash=self.task_hashes[task.name],
             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
             finished_at=datetime.now(timezone.utc),
-            attempt=self.attempts.get(done_key(unit, task, self.task_hashes[task.name]), 0) + 1,
+            attempt=self.history.attempt(done_key(unit, task, self.task_hashes[task.name])) + 1,
             error_kind=kind, matched_path=unit.source.path))
         if error is None:
             s.rows_ok += 1

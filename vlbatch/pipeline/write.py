@@ -11,12 +11,13 @@ Layout (DESIGN.md):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import errno
 import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,13 +67,35 @@ PAGE_SCHEMA = pa.schema([
 DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
 
 
+def key_digest(key: tuple) -> bytes:
+    """16 bytes standing for a key: what the done-key scan keeps per row (not the strings),
+    so its memory stays small at any number of rows (collision odds ~ rows^2 / 2^129)."""
+    return hashlib.blake2b("\x1f".join(map(repr, key)).encode(), digest_size=16).digest()
+
+
 @dataclass(frozen=True)
 class History:
-    """What earlier runs left, per key: finished (nothing to do) or tried and failed."""
+    """What earlier runs left, per key: finished (nothing to do) or tried and failed. Keys
+    are held as `key_digest`s; ask with the keys themselves."""
 
-    done: frozenset[DoneKey]
-    attempts: dict[DoneKey, int]  # keys whose newest row is an error: its attempt number
-    answered: frozenset[tuple] = frozenset()  # (source, page, task, file hash) with a row
+    done: frozenset[bytes]
+    attempts: dict[bytes, int]  # keys whose newest row is an error: its attempt number
+    answered: frozenset[bytes] = frozenset()  # (source, page, task, file hash) with a row
+
+    @classmethod
+    def of(cls, done: Iterable[DoneKey] = ()) -> History:
+        return cls(frozenset(map(key_digest, done)), {})
+
+    def is_done(self, key: DoneKey) -> bool:
+        return key_digest(key) in self.done
+
+    def attempt(self, key: DoneKey) -> int:
+        """The attempt number of the key's newest row if it is an error, else 0."""
+        return self.attempts.get(key_digest(key), 0)
+
+    def was_answered(self, key: DoneKey) -> bool:
+        """Whether the key's page and task has a row under any settings."""
+        return key_digest(key[:4]) in self.answered
 
 
 class PartWriter:
@@ -179,30 +202,32 @@ class OutputFolder:
         retrying errors; a transient one is done once it used its `max_attempts` (unless
         retrying errors). Rows written before `attempt` and `error_kind` existed count as
         attempt 1 of a permanent error."""
-        files = self.part_files()
-        if not files:
-            return History(frozenset(), {})
+        newest: dict[bytes, tuple] = {}  # key digest -> (status, kind, attempt, time)
+        answered: set[bytes] = set()
         columns = ["source", "page", "task", "source_sha256", "task_hash", "status",
                    "error_kind", "attempt", "finished_at"]
-        table = pq.ParquetDataset(files, schema=RESULT_SCHEMA).read(columns=columns)
-        newest: dict[DoneKey, tuple] = {}
-        for s, p, t, h, th, status, kind, attempt, at in zip(
-                *(table.column(c).to_pylist() for c in columns)):
-            key = (s, p, t, h, th)
-            before = newest.get(key)  # parts are read oldest first; a time settles it
-            if before is None or at is None or before[3] is None or at >= before[3]:
-                newest[key] = (status, kind, attempt or 1, at)
+        for path in self.part_files():  # oldest first; a time settles it
+            table = pq.read_table(path, columns=columns, schema=RESULT_SCHEMA)
+            table = table.set_column(8, "finished_at", table.column(8).cast(pa.int64()))
+            for batch in table.to_batches(max_chunksize=20_000):  # bounded Python objects
+                for s, p, t, h, th, status, kind, attempt, at in zip(
+                        *(column.to_pylist() for column in batch.columns)):
+                    key = key_digest((s, p, t, h, th))
+                    answered.add(key_digest((s, p, t, h)))
+                    before = newest.get(key)
+                    if before is None or at is None or before[3] is None or at >= before[3]:
+                        newest[key] = (status == "ok", kind == "transient", attempt or 1, at)
         done, attempts = set(), {}
-        for key, (status, kind, attempt, _) in newest.items():
-            if status == "ok":
+        for key, (ok, transient, attempt, _) in newest.items():
+            if ok:
                 done.add(key)
                 continue
             attempts[key] = attempt
             if retry_errors:
                 continue
-            if kind != "transient" or attempt >= max_attempts:
+            if not transient or attempt >= max_attempts:
                 done.add(key)
-        return History(frozenset(done), attempts, frozenset(k[:4] for k in newest))
+        return History(frozenset(done), attempts, frozenset(answered))
 
     def write_manifest(self, run_id: str, manifest: dict) -> Path:
         path = self.runs / f"{run_id}.json"
