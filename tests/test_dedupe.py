@@ -288,3 +288,31 @@ def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
     assert entries == band_entries(tmp_path / "alone")
     shared_band = json.loads(entries["band:" + bands(pages[0][1])[0]])
     assert [h for h, _ in shared_band] == [h for h, _, _ in pages[-64:]]
+
+
+def test_page_hash_index_finds_what_a_scan_of_every_pair_finds():
+    """The compact index (sorted arrays, a tail merged every few thousand pages) returns
+    exactly the pages a brute-force scan finds: an equal band and within the distance."""
+    import random
+
+    from vlbatch.pipeline.dedupe import hamming
+    from vlbatch.pipeline.hashindex import TAIL, PageHashIndex
+
+    rng = random.Random(7)
+    index, pages = PageHashIndex(), []
+    for i in range(TAIL + 1500):  # past one merge
+        if pages and rng.random() < 0.3:  # a near copy of an earlier page: a few bits flipped
+            value = int(rng.choice(pages)[1], 16)
+            for _ in range(rng.randint(0, 30)):
+                value ^= 1 << rng.randrange(256)
+        else:
+            value = rng.getrandbits(256)
+        content, phash = f"{rng.getrandbits(256):064x}", f"{value:064x}"
+        if i % 97 == 0:
+            expected = sorted((hamming(phash, p), c) for c, p in pages
+                              if hamming(phash, p) <= 20 and set(bands(phash)) & set(bands(p)))
+            assert index.near(phash, 20) == expected
+        index.add(content, phash)
+        pages.append((content, phash))
+    assert all(c in index for c, _ in pages[::50]) and f"{1:064x}" not in index
+    assert index.nbytes() < 400 * len(pages)  # bytes a page (the old dicts: about 6,000)

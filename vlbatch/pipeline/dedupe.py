@@ -18,6 +18,8 @@ import numpy as np
 from cachetools import LRUCache
 from PIL import Image, ImageFilter
 
+from vlbatch.pipeline.hashindex import PageHashIndex
+
 BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
 COMPARE_LONG_SIDE = 1344  # pixels: pages are compared at most this large
 BLOCK = 8  # pixels (at the comparison size)
@@ -99,8 +101,7 @@ class Deduper:
         self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
         self.index = index  # a FeatureCache: pages of earlier runs (or None)
         self.search_index = index is not None and not index.empty_at_open
-        self.bands: dict[str, set[str]] = {}
-        self.phash_of: dict[str, str] = {}
+        self.pages = PageHashIndex()  # this run's canonical pages
         # the images of the last canonical pages, for the pixel check without a cache read
         self.recent: LRUCache = LRUCache(maxsize=keep_in_memory)
         self.memo: LRUCache = LRUCache(maxsize=memo_bands)  # band -> earlier runs' members
@@ -113,20 +114,18 @@ class Deduper:
 
     def _earlier_members(self, band: str) -> list[tuple[str, str | None]]:
         """The index's members of a band: pages of earlier runs (this run's pages are in
-        self.bands), which do not change during the run."""
+        self.pages), which do not change during the run."""
         found = self.memo.get(band)
         if found is None:
             found = self.memo[band] = self.index.members(band)
         return found
 
-    def _candidates(self, phash: str) -> dict[str, str | None]:
-        """Pages sharing a band with this one: content hash -> perceptual hash (None
-        where the index does not hold it alongside)."""
+    def _earlier_candidates(self, phash: str) -> dict[str, str | None]:
+        """Pages of earlier runs sharing a band with this one: content hash -> perceptual
+        hash (None where the index does not hold it alongside)."""
         found: dict[str, str | None] = {}
-        for band in bands(phash):
-            for content_hash in self.bands.get(band, ()):
-                found[content_hash] = self.phash_of[content_hash]
-            if self.search_index:
+        if self.search_index:
+            for band in bands(phash):
                 for content_hash, other in self._earlier_members(band):
                     if found.get(content_hash) is None:
                         found[content_hash] = other
@@ -135,7 +134,7 @@ class Deduper:
     def match(self, content_hash: str, phash: str, image: Image.Image,
               text_layer: str | None = None) -> tuple[str, Relation]:
         """(canonical content hash, how the page relates to it)."""
-        if content_hash in self.phash_of:
+        if content_hash in self.pages:
             return content_hash, "exact"
         if self.max_distance > 0:
             if self.search_index and self.index.phash(content_hash):
@@ -152,15 +151,16 @@ class Deduper:
     def _near_copy_of(self, content_hash: str, phash: str, image: Image.Image,
                       text_layer: str | None) -> str | None:
         """The closest earlier page that the pixel check confirms as the same, if any."""
-        close = []
-        for candidate, other in self._candidates(phash).items():
-            if candidate == content_hash:
+        close = dict((c, d) for d, c in self.pages.near(phash, self.max_distance))
+        for candidate, other in self._earlier_candidates(phash).items():
+            if candidate == content_hash or candidate in close:
                 continue
             if other is None and self.index is not None:
                 other = self.index.phash(candidate)
             if other is not None and (distance := hamming(phash, other)) <= self.max_distance:
-                close.append((distance, candidate))
-        for _, candidate in sorted(close):
+                close[candidate] = distance
+        close.pop(content_hash, None)
+        for _, candidate in sorted((d, c) for c, d in close.items()):
             other = self._page(candidate)
             if other is None:
                 continue
@@ -170,10 +170,7 @@ class Deduper:
 
     def _register(self, content_hash: str, phash: str, image: Image.Image,
                   text_layer: str | None, index: bool = True) -> None:
-        self.phash_of[content_hash] = phash
-        page_bands = bands(phash)
-        for band in page_bands:
-            self.bands.setdefault(band, set()).add(content_hash)
+        self.pages.add(content_hash, phash)
         if index and self.index is not None:
-            self.index.add(content_hash, phash, page_bands, text_layer)
+            self.index.add(content_hash, phash, bands(phash), text_layer)
         self.recent[content_hash] = (image, text_layer)

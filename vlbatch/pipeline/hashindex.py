@@ -1,0 +1,135 @@
+"""hashindex: this run's pages by content hash and perceptual-hash band, in numpy arrays
+(about 200 bytes a page) rather than dicts of strings (about 6 KB a page), so the dedupe's
+memory stays small at 100,000 pages and beyond.
+
+A page's 256-bit pHash is cut into 16 bands of 16 bits (`dedupe.bands`); two pages within
+Hamming distance 15 share at least one band, so the pages sharing a band with a new page are
+its only candidates. Lookups are binary searches in sorted arrays plus a scan of a short
+unsorted tail, merged into the sorted part when it fills up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TAIL = 16384  # entries before they are merged into the sorted arrays
+BANDS = 16
+
+
+class SortedMultimap:
+    """uint64 key -> uint32 rows, many rows a key: sorted arrays, and a small dict of the
+    latest entries (at most TAIL) merged into them when it fills up."""
+
+    def __init__(self):
+        self.keys = np.empty(0, np.uint64)
+        self.rows = np.empty(0, np.uint32)
+        self.tail: dict[int, list[int]] = {}
+        self.tail_size = 0
+
+    def add(self, keys, row: int) -> None:
+        for key in keys:
+            self.tail.setdefault(int(key), []).append(row)
+        self.tail_size += len(keys)
+        if self.tail_size >= TAIL:
+            self._merge()
+
+    def _merge(self) -> None:
+        tail_keys = [key for key, rows in self.tail.items() for _ in rows]
+        tail_rows = [row for rows in self.tail.values() for row in rows]
+        new_keys, new_rows = np.array(tail_keys, np.uint64), np.array(tail_rows, np.uint32)
+        by_key = np.argsort(new_keys, kind="stable")
+        new_keys, new_rows = new_keys[by_key], new_rows[by_key]
+        at = np.searchsorted(self.keys, new_keys, side="right")  # after equal keys: row order
+        self.keys, self.rows = np.insert(self.keys, at, new_keys), np.insert(self.rows, at, new_rows)
+        self.tail, self.tail_size = {}, 0
+
+    def rows_of(self, keys) -> np.ndarray:
+        """The rows under any of `keys`, each once, in the order they were added."""
+        keys = np.asarray(keys, np.uint64)
+        starts = np.searchsorted(self.keys, keys, side="left")
+        ends = np.searchsorted(self.keys, keys, side="right")
+        found = [self.rows[a:b] for a, b in zip(starts.tolist(), ends.tolist()) if b > a]
+        for key in keys.tolist():
+            if key in self.tail:
+                found.append(np.array(self.tail[key], np.uint32))
+        if not found:
+            return np.empty(0, np.uint32)
+        return np.unique(np.concatenate(found))
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.rows.nbytes + 120 * self.tail_size
+
+
+class _Growing:
+    """A 2-D numpy array that grows by doubling."""
+
+    def __init__(self, width: int, dtype):
+        self.data = np.empty((1024, width), dtype)
+        self.size = 0
+
+    def append(self, values: np.ndarray) -> int:
+        if self.size == len(self.data):
+            self.data = np.concatenate([self.data, np.empty_like(self.data)])
+        self.data[self.size] = values
+        self.size += 1
+        return self.size - 1
+
+
+def _popcount(words: np.ndarray) -> np.ndarray:
+    if hasattr(np, "bitwise_count"):  # numpy 2
+        return np.bitwise_count(words)
+    return np.unpackbits(words.view(np.uint8), axis=-1).reshape(*words.shape, 64).sum(axis=-1)
+
+
+def _hex_words(text: str, words: int) -> np.ndarray:
+    """A hex string as big-endian uint64 words (zero-padded on the left to `words`)."""
+    return np.frombuffer(bytes.fromhex(text.rjust(16 * words, "0")), ">u8").astype(np.uint64)
+
+
+class PageHashIndex:
+    """This run's canonical pages: their content hashes (exact copies) and pHashes (the
+    candidates for near copies)."""
+
+    def __init__(self):
+        self.content = _Growing(32, np.uint8)  # sha256 of the pixels
+        self.phashes = _Growing(4, np.uint64)  # 256 bits
+        self.by_content = SortedMultimap()  # its first 8 bytes -> rows
+        self.by_band = SortedMultimap()  # band number << 16 | band value -> rows
+
+    def __len__(self) -> int:
+        return self.content.size
+
+    @staticmethod
+    def _band_keys(words: np.ndarray) -> np.ndarray:
+        shifts = np.arange(3, -1, -1, dtype=np.uint64) * np.uint64(16)
+        values = (words[:, None] >> shifts[None, :]) & np.uint64(0xFFFF)  # 4 words x 4 bands
+        return (np.arange(BANDS, dtype=np.uint64) << np.uint64(16)) | values.ravel()
+
+    def add(self, content_hash: str, phash: str) -> None:
+        digest = bytes.fromhex(content_hash)
+        words = _hex_words(phash, 4)
+        row = self.content.append(np.frombuffer(digest, np.uint8))
+        self.phashes.append(words)
+        self.by_content.add([int.from_bytes(digest[:8], "big")], row)
+        self.by_band.add(self._band_keys(words), row)
+
+    def __contains__(self, content_hash: str) -> bool:
+        digest = np.frombuffer(bytes.fromhex(content_hash), np.uint8)
+        rows = self.by_content.rows_of([int.from_bytes(digest[:8].tobytes(), "big")])
+        return any(np.array_equal(self.content.data[r], digest) for r in rows)
+
+    def near(self, phash: str, max_distance: int) -> list[tuple[int, str]]:
+        """(Hamming distance, content hash) of the pages sharing a band with `phash` and
+        within `max_distance` of it, nearest first."""
+        words = _hex_words(phash, 4)
+        rows = self.by_band.rows_of(self._band_keys(words))
+        if rows.size == 0:
+            return []
+        distances = _popcount(self.phashes.data[rows] ^ words).sum(axis=1)
+        close = distances <= max_distance
+        return sorted((int(d), self.content.data[r].tobytes().hex())
+                      for d, r in zip(distances[close], rows[close]))
+
+    def nbytes(self) -> int:
+        return (self.content.data.nbytes + self.phashes.data.nbytes
+                + self.by_content.nbytes() + self.by_band.nbytes())
