@@ -111,14 +111,16 @@ class Dedupe(_Strict):
                                   "exact copies (same pixels) always merge.")
     max_phash_distance: int = Field(default=24, ge=0, le=256, description="Candidates: "
                                     "perceptual-hash distance, of 256 bits.")
-    max_block_diff: float = Field(default=11.0, ge=0.0, le=255.0, description="Pixel check, "
-                                  "same raster (JPEG, noise): the largest 8x8 block difference.")
-    max_peak_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check, same raster: "
-                                  "how far the largest block may stand out above the 20th.")
-    rerender_max_block_diff: float = Field(default=45.0, ge=0.0, le=255.0, description="Pixel "
-                                           "check for re-renders carrying the same text layer.")
-    rerender_max_peak_ratio: float = Field(default=3.5, ge=1.0, description="Pixel check for "
-                                           "re-renders: peak over the 20th largest block.")
+    max_blank_mark: float = Field(default=8.0, ge=0.0, le=255.0, description="Pixel check: "
+                                  "the most ink (8x8 block mean, 0-255) one page may have "
+                                  "where the other is blank paper.")
+    max_ink_shift_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check: how "
+                                       "far the largest change of a 16x16 area's ink level may "
+                                       "stand out above the 20th.")
+    max_block_diff: float = Field(default=45.0, ge=0.0, le=255.0, description="Pixel check: "
+                                  "the largest 8x8 block difference (re-renders: up to ~36).")
+    max_peak_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check: how far the "
+                                  "largest block difference may stand out above the 20th.")
 
 
 class EngineSettings(_Strict):

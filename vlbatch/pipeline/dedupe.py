@@ -3,11 +3,16 @@
 Exact copies (the same normalised pixels, so the same content hash) always merge. A
 perceptual hash finds near-copies (re-renders at another DPI, JPEG re-encodings, PNG vs
 JPEG), but it cannot tell them from pages of one template that differ in a single field:
-those hash alike too. So every near-copy is confirmed at pixel level before it merges: both
-pages are brought to one size, lightly blurred (resampling and JPEG noise is fine-grained
-and spread out), and compared block by block; a real change of content, however small
-(one digit), leaves at least one block that differs strongly. A wrong merge gives one
-document's answer to another, so the thresholds err on the side of not merging.
+those hash alike too. So every near-copy is confirmed at pixel level before it merges, on
+two measures, both at one size, block by block (`same_page`):
+- ink on blank paper: what one page has where the other is blank (a tick, a signature, a
+  stamp, a speck, a watermark) stands out fully, while a re-render at another resolution
+  only moves edges by under a pixel, next to ink;
+- local differences: resampling and JPEG noise is spread over every glyph; a change in one
+  place (a digit, a struck-through word) stands out above the rest.
+A wrong merge gives one document's answer to another, so the thresholds err on the side of
+not merging; the text layers count only against a merge (different text, different page).
+Figures: scripts/bench_dedupe.py, docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ COMPARE_LONG_SIDE = 1344  # pixels: pages are compared at most this large
 BLOCK = 8  # pixels (at the comparison size)
 RANK = 20  # the peak is compared with the RANK-th largest block difference
 NOISE_FLOOR = 1.0  # a peak below this (0-255) is noise whatever the ratio
+COVER = 16  # pixels: the side of the areas whose ink is compared (ink_shift)
+PAPER_FLAT = 24  # levels (0-255): a 3x3 neighbourhood this even is blank paper
 
 
 def hamming(a: str, b: str) -> int:
@@ -36,34 +43,91 @@ def bands(phash: str) -> list[str]:
     return [f"{i}:{phash[i * width:(i + 1) * width]}" for i in range(BANDS)]
 
 
-def _grey(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
+def _grey(image: Image.Image, size: tuple[int, int], blur: float = 1.0) -> Image.Image:
     grey = image.convert("L")
     if grey.size != size:
         grey = grey.resize(size, Image.Resampling.BOX)
-    return np.asarray(grey.filter(ImageFilter.GaussianBlur(1.0)), dtype=np.float32)
+    return grey.filter(ImageFilter.GaussianBlur(blur)) if blur else grey
+
+
+def _comparison_size(a: Image.Image, b: Image.Image) -> tuple[int, int] | None:
+    """The size both pages are compared at (the smaller one's, at most COMPARE_LONG_SIDE);
+    None when their aspect ratios differ."""
+    ratio_a, ratio_b = a.width / a.height, b.width / b.height
+    if abs(ratio_a - ratio_b) / max(ratio_a, ratio_b) > 0.02:
+        return None
+    smaller = a if a.width * a.height <= b.width * b.height else b
+    scale = min(1.0, COMPARE_LONG_SIDE / max(smaller.size))
+    return (max(4 * BLOCK, round(smaller.width * scale)), max(4 * BLOCK, round(smaller.height * scale)))
+
+
+def _block_means(values: np.ndarray) -> np.ndarray:
+    h, w = (values.shape[0] // BLOCK) * BLOCK, (values.shape[1] // BLOCK) * BLOCK
+    return values[:h, :w].reshape(h // BLOCK, BLOCK, w // BLOCK, BLOCK).mean(axis=(1, 3))
 
 
 def compare_pixels(a: Image.Image, b: Image.Image) -> tuple[float, float]:
     """(peak, peak ratio) of the block differences of two pages brought to one size and
     lightly blurred: peak is the largest block's mean absolute difference (0-255); peak
     ratio is that over the RANK-th largest. Rendering and compression noise spreads over
-    every block with ink (ratio near 1-2); a change of content, however small, stands out
-    in a few blocks (ratio well above 4). Inf when the aspect ratios differ."""
-    ratio_a, ratio_b = a.width / a.height, b.width / b.height
-    if abs(ratio_a - ratio_b) / max(ratio_a, ratio_b) > 0.02:
+    every block with ink (ratio near 1-2); a change of content in one place stands out in
+    a few blocks (ratio well above 2). Inf when the aspect ratios differ."""
+    size = _comparison_size(a, b)
+    if size is None:
         return float("inf"), float("inf")
-    smaller = a if a.width * a.height <= b.width * b.height else b
-    scale = min(1.0, COMPARE_LONG_SIDE / max(smaller.size))
-    size = (max(4 * BLOCK, round(smaller.width * scale)), max(4 * BLOCK, round(smaller.height * scale)))
-    diff = np.abs(_grey(a, size) - _grey(b, size))
-    h, w = (size[1] // BLOCK) * BLOCK, (size[0] // BLOCK) * BLOCK
-    blocks = np.sort(diff[:h, :w].reshape(h // BLOCK, BLOCK, w // BLOCK, BLOCK)
-                     .mean(axis=(1, 3)).ravel())
+    diff = np.abs(np.asarray(_grey(a, size), np.float32) - np.asarray(_grey(b, size), np.float32))
+    blocks = np.sort(_block_means(diff).ravel())
     peak = float(blocks[-1])
     reference = float(blocks[-min(RANK, blocks.size)])
     if peak < NOISE_FLOOR:  # identical but for noise: nothing stands out
         return peak, 1.0
     return peak, peak / max(reference, 1e-3)
+
+
+def _marks_on_blank(a: np.ndarray, b: Image.Image) -> np.ndarray:
+    """How far each pixel of `a` lies outside the range of `b` around it, counted only
+    where `b` is blank there (its 3x3 neighbourhood within PAPER_FLAT levels): ink that
+    `a` has on paper that `b` leaves empty. A re-render moves edges by under a pixel, which
+    stays within b's range beside its ink; a tick, a signature, a stamp, a speck or a
+    watermark on paper does not."""
+    low = np.asarray(b.filter(ImageFilter.MinFilter(3)), np.float32)
+    high = np.asarray(b.filter(ImageFilter.MaxFilter(3)), np.float32)
+    outside = np.maximum(low - a, a - high).clip(0)
+    return np.where(high - low <= PAPER_FLAT, outside, 0)
+
+
+def blank_area_marks(a: Image.Image, b: Image.Image) -> float:
+    """The largest 8x8 block mean of what either page has where the other is blank
+    (0-255): near 0 for re-renders at any resolution and re-encodings, 15 and more for a
+    mark on paper. Inf when the aspect ratios differ."""
+    size = _comparison_size(a, b)
+    if size is None:
+        return float("inf")
+    grey_a, grey_b = _grey(a, size, blur=0), _grey(b, size, blur=0)
+    pixels_a, pixels_b = np.asarray(grey_a, np.float32), np.asarray(grey_b, np.float32)
+    marks = np.maximum(_marks_on_blank(pixels_a, grey_b), _marks_on_blank(pixels_b, grey_a))
+    return float(_block_means(marks).max())
+
+
+def ink_shift(a: Image.Image, b: Image.Image) -> float:
+    """How far the most changed 16x16 area's ink (its mean level, signed: resampling keeps
+    it, JPEG keeps it) stands out above the RANK-th: a line added across a few words
+    darkens its areas together, rendering noise moves ink within them. Inf when the aspect
+    ratios differ."""
+    size = _comparison_size(a, b)
+    if size is None:
+        return float("inf")
+    diff = np.asarray(_grey(a, size, blur=0), np.float64) - np.asarray(_grey(b, size, blur=0), np.float64)
+    h, w = diff.shape
+    total = np.zeros((h + 1, w + 1))
+    total[1:, 1:] = diff.cumsum(0).cumsum(1)
+    ys, xs = np.arange(0, h - COVER + 1, COVER // 2), np.arange(0, w - COVER + 1, COVER // 2)
+    sums = (total[ys[:, None] + COVER, xs[None, :] + COVER] - total[ys[:, None], xs[None, :] + COVER]
+            - total[ys[:, None] + COVER, xs[None, :]] + total[ys[:, None], xs[None, :]])
+    areas = np.sort(np.abs(sums).ravel()) / COVER**2  # overlapping areas, half a side apart
+    if areas[-1] < NOISE_FLOOR:
+        return 1.0
+    return float(areas[-1] / max(areas[-min(RANK, areas.size)], 1e-3))
 
 
 def _words(text: str | None) -> str:
@@ -72,16 +136,21 @@ def _words(text: str | None) -> str:
 
 def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | None,
               settings) -> bool:
-    """The pixel check. Same raster (JPEG re-encodings, PNG vs JPEG, scan-like noise): the
-    difference is low everywhere. Different rasterisation (the same PDF page at another
-    DPI) differs at every glyph edge, as much as one changed digit does, so it merges only
-    when both pages carry the same text layer and nothing stands out locally."""
+    """The pixel check, whatever the text layers say (an equal text layer says nothing of
+    ticks, stamps and drawings; a different one does rule a merge out):
+    - nothing on blank paper in one page that the other lacks (`blank_area_marks`), and
+    - no area whose ink level changed more than the rest's (`ink_shift`), and
+    - no region that stands out from the rest: the largest block difference at most
+      `max_peak_ratio` times the RANK-th (re-rendering noise is spread over every glyph,
+      a change in one place is not) and at most `max_block_diff`."""
+    if _words(text_a) and _words(text_b) and _words(text_a) != _words(text_b):
+        return False
+    if blank_area_marks(a, b) > settings.max_blank_mark:
+        return False
+    if ink_shift(a, b) > settings.max_ink_shift_ratio:
+        return False
     peak, ratio = compare_pixels(a, b)
-    if peak <= settings.max_block_diff and ratio <= settings.max_peak_ratio:
-        return True
-    same_text = bool(_words(text_a)) and _words(text_a) == _words(text_b)
-    return same_text and peak <= settings.rerender_max_block_diff and \
-        ratio <= settings.rerender_max_peak_ratio
+    return peak <= settings.max_block_diff and ratio <= settings.max_peak_ratio
 
 
 Relation = Literal["new", "exact", "near"]  # to the pages seen before
