@@ -121,6 +121,27 @@ def test_pixel_check_on_the_benchmark_set():
             assert not merged, name
 
 
+# the one known miss (docs/benchmarks.md): a line struck through a short number or label,
+# one side rendered at 100 dpi, is within that resolution's rendering noise
+KNOWN_MISS = "strike, PDF 150 dpi / PDF 100 dpi"
+
+
+def test_marks_keep_pages_apart_and_rerenders_merge_on_the_generated_set():
+    """Every layout of the generated set, one document each: its re-renders and raster
+    files at other resolutions merge; a tick, signature, stamp, struck-through line,
+    watermark or speck (the text layer unchanged) keeps the pages apart, in any forms."""
+    import dedupe_set
+
+    settings, missed = Dedupe(), []
+    for kind, layout, name, a, b in dedupe_set.generated_pairs(seeds=(0,)):
+        merged = same_page(a[0], b[0], a[1], b[1], settings)
+        if kind == "must":
+            assert merged, (layout, name)
+        elif merged:
+            missed.append((layout, name))
+    assert all(name == KNOWN_MISS for _, name in missed), missed
+
+
 def test_cache_stats_and_clear_cli(write_job, tmp_path, samples):
     import json
 
