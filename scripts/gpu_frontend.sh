@@ -8,6 +8,8 @@
 #   bash scripts/gpu_frontend.sh w3             vlbatch W3 (4 tasks a page)
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm
+#   bash scripts/gpu_frontend.sh raw2000        2,000 W1 pages: set-up and raw as shipped
+#   bash scripts/gpu_frontend.sh vlbatch2000    vlbatch on the same 2,000 pages
 # Results as JSON under $OUT; ratios: python3 scripts/bench_ratios.py $OUT.
 set -uo pipefail
 STAGE=${1:-raw}; shift || true
@@ -34,6 +36,11 @@ case $STAGE in
   raw-again) step raw-vllm-defaults-2 160 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
+  raw2000)
+    python3 scripts/make_pages.py /tmp/w1-2000-pages 2000 10 > /dev/null
+    $B job --model "$MODEL" --pages-dir /tmp/w1-2000-pages --work /tmp/w1-2000 --tasks 1 > /dev/null
+    step raw-vllm-defaults-2000 560 $B raw --job /tmp/w1-2000/job.yaml --vllm-defaults --warmup 16 ;;
+  vlbatch2000) step vlbatch-w1-2000 560 $B vlbatch --job /tmp/w1-2000/job.yaml --fresh ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 python3 scripts/bench_ratios.py "$OUT" 2>/dev/null | tee "$OUT/ratios.txt"

@@ -30,7 +30,6 @@ COMPARE_LONG_SIDE = 1344  # pixels: pages are compared at most this large
 BLOCK = 8  # pixels (at the comparison size)
 RANK = 20  # the peak is compared with the RANK-th largest block difference
 NOISE_FLOOR = 1.0  # a peak below this (0-255) is noise whatever the ratio
-COVER = 16  # pixels: the side of the areas whose ink is compared (ink_shift)
 PAPER_FLAT = 24  # levels (0-255): a 3x3 neighbourhood this even is blank paper
 
 
@@ -43,11 +42,11 @@ def bands(phash: str) -> list[str]:
     return [f"{i}:{phash[i * width:(i + 1) * width]}" for i in range(BANDS)]
 
 
-def _grey(image: Image.Image, size: tuple[int, int], blur: float = 1.0) -> Image.Image:
+def _grey(image: Image.Image, size: tuple[int, int]) -> Image.Image:
     grey = image.convert("L")
     if grey.size != size:
         grey = grey.resize(size, Image.Resampling.BOX)
-    return grey.filter(ImageFilter.GaussianBlur(blur)) if blur else grey
+    return grey
 
 
 def _comparison_size(a: Image.Image, b: Image.Image) -> tuple[int, int] | None:
@@ -61,6 +60,16 @@ def _comparison_size(a: Image.Image, b: Image.Image) -> tuple[int, int] | None:
     return (max(4 * BLOCK, round(smaller.width * scale)), max(4 * BLOCK, round(smaller.height * scale)))
 
 
+class _Pair:
+    """Two pages in grey at the size they are compared at (None: aspect ratios differ)."""
+
+    def __init__(self, a: Image.Image, b: Image.Image):
+        self.size = _comparison_size(a, b)
+        if self.size is not None:
+            self.greys = (_grey(a, self.size), _grey(b, self.size))
+            self.arrays = tuple(np.asarray(grey, np.int16) for grey in self.greys)
+
+
 def _block_means(values: np.ndarray) -> np.ndarray:
     h, w = (values.shape[0] // BLOCK) * BLOCK, (values.shape[1] // BLOCK) * BLOCK
     return values[:h, :w].reshape(h // BLOCK, BLOCK, w // BLOCK, BLOCK).mean(axis=(1, 3))
@@ -72,10 +81,14 @@ def compare_pixels(a: Image.Image, b: Image.Image) -> tuple[float, float]:
     ratio is that over the RANK-th largest. Rendering and compression noise spreads over
     every block with ink (ratio near 1-2); a change of content in one place stands out in
     a few blocks (ratio well above 2). Inf when the aspect ratios differ."""
-    size = _comparison_size(a, b)
-    if size is None:
+    return _compare(_Pair(a, b))
+
+
+def _compare(pair: _Pair) -> tuple[float, float]:
+    if pair.size is None:
         return float("inf"), float("inf")
-    diff = np.abs(np.asarray(_grey(a, size), np.float32) - np.asarray(_grey(b, size), np.float32))
+    blurred = [np.asarray(grey.filter(ImageFilter.BoxBlur(1)), np.float32) for grey in pair.greys]
+    diff = np.abs(blurred[0] - blurred[1])
     blocks = np.sort(_block_means(diff).ravel())
     peak = float(blocks[-1])
     reference = float(blocks[-min(RANK, blocks.size)])
@@ -84,47 +97,55 @@ def compare_pixels(a: Image.Image, b: Image.Image) -> tuple[float, float]:
     return peak, peak / max(reference, 1e-3)
 
 
-def _marks_on_blank(a: np.ndarray, b: Image.Image) -> np.ndarray:
+def _neighbourhood(pixels: np.ndarray, pick) -> np.ndarray:
+    """The min (pick=np.minimum) or max of each pixel's 3x3 neighbourhood."""
+    padded = np.pad(pixels, 1, mode="edge")
+    rows = pick(pick(padded[:-2], padded[1:-1]), padded[2:])
+    return pick(pick(rows[:, :-2], rows[:, 1:-1]), rows[:, 2:])
+
+
+def _marks_on_blank(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """How far each pixel of `a` lies outside the range of `b` around it, counted only
     where `b` is blank there (its 3x3 neighbourhood within PAPER_FLAT levels): ink that
     `a` has on paper that `b` leaves empty. A re-render moves edges by under a pixel, which
     stays within b's range beside its ink; a tick, a signature, a stamp, a speck or a
-    watermark on paper does not."""
-    low = np.asarray(b.filter(ImageFilter.MinFilter(3)), np.float32)
-    high = np.asarray(b.filter(ImageFilter.MaxFilter(3)), np.float32)
-    outside = np.maximum(low - a, a - high).clip(0)
-    return np.where(high - low <= PAPER_FLAT, outside, 0)
+    watermark on paper does not. (int16 arrays.)"""
+    low, high = _neighbourhood(b, np.minimum), _neighbourhood(b, np.maximum)
+    outside = np.maximum(np.maximum(low - a, a - high), 0)
+    outside[high - low > PAPER_FLAT] = 0
+    return outside
 
 
 def blank_area_marks(a: Image.Image, b: Image.Image) -> float:
     """The largest 8x8 block mean of what either page has where the other is blank
     (0-255): near 0 for re-renders at any resolution and re-encodings, 15 and more for a
     mark on paper. Inf when the aspect ratios differ."""
-    size = _comparison_size(a, b)
-    if size is None:
+    return _blank_marks(_Pair(a, b))
+
+
+def _blank_marks(pair: _Pair) -> float:
+    if pair.size is None:
         return float("inf")
-    grey_a, grey_b = _grey(a, size, blur=0), _grey(b, size, blur=0)
-    pixels_a, pixels_b = np.asarray(grey_a, np.float32), np.asarray(grey_b, np.float32)
-    marks = np.maximum(_marks_on_blank(pixels_a, grey_b), _marks_on_blank(pixels_b, grey_a))
+    greys = pair.arrays
+    marks = np.maximum(_marks_on_blank(*greys), _marks_on_blank(*reversed(greys)))
     return float(_block_means(marks).max())
 
 
 def ink_shift(a: Image.Image, b: Image.Image) -> float:
     """How far the most changed 16x16 area's ink (its mean level, signed: resampling keeps
     it, JPEG keeps it) stands out above the RANK-th: a line added across a few words
-    darkens its areas together, rendering noise moves ink within them. Inf when the aspect
-    ratios differ."""
-    size = _comparison_size(a, b)
-    if size is None:
+    darkens its areas together, rendering noise moves ink within them. Areas overlap by
+    half a side. Inf when the aspect ratios differ."""
+    return _ink_shift(_Pair(a, b))
+
+
+def _ink_shift(pair: _Pair) -> float:
+    if pair.size is None:
         return float("inf")
-    diff = np.asarray(_grey(a, size, blur=0), np.float64) - np.asarray(_grey(b, size, blur=0), np.float64)
-    h, w = diff.shape
-    total = np.zeros((h + 1, w + 1))
-    total[1:, 1:] = diff.cumsum(0).cumsum(1)
-    ys, xs = np.arange(0, h - COVER + 1, COVER // 2), np.arange(0, w - COVER + 1, COVER // 2)
-    sums = (total[ys[:, None] + COVER, xs[None, :] + COVER] - total[ys[:, None], xs[None, :] + COVER]
-            - total[ys[:, None] + COVER, xs[None, :]] + total[ys[:, None], xs[None, :]])
-    areas = np.sort(np.abs(sums).ravel()) / COVER**2  # overlapping areas, half a side apart
+    greys = pair.arrays
+    half = _block_means((greys[0] - greys[1]).astype(np.float32))  # signed, 8x8
+    areas = np.abs(half[:-1, :-1] + half[1:, :-1] + half[:-1, 1:] + half[1:, 1:]) / 4
+    areas = np.sort(areas.ravel())
     if areas[-1] < NOISE_FLOOR:
         return 1.0
     return float(areas[-1] / max(areas[-min(RANK, areas.size)], 1e-3))
@@ -145,11 +166,12 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
       a change in one place is not) and at most `max_block_diff`."""
     if _words(text_a) and _words(text_b) and _words(text_a) != _words(text_b):
         return False
-    if blank_area_marks(a, b) > settings.max_blank_mark:
+    pair = _Pair(a, b)
+    if _blank_marks(pair) > settings.max_blank_mark:
         return False
-    if ink_shift(a, b) > settings.max_ink_shift_ratio:
+    if _ink_shift(pair) > settings.max_ink_shift_ratio:
         return False
-    peak, ratio = compare_pixels(a, b)
+    peak, ratio = _compare(pair)
     return peak <= settings.max_block_diff and ratio <= settings.max_peak_ratio
 
 
