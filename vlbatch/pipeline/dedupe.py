@@ -87,7 +87,7 @@ def compare_pixels(a: Image.Image, b: Image.Image) -> tuple[float, float]:
 def _compare(pair: _Pair) -> tuple[float, float]:
     if pair.size is None:
         return float("inf"), float("inf")
-    blurred = [np.asarray(grey.filter(ImageFilter.BoxBlur(1)), np.float32) for grey in pair.greys]
+    blurred = [np.asarray(grey.filter(ImageFilter.GaussianBlur(1.0)), np.float32) for grey in pair.greys]
     diff = np.abs(blurred[0] - blurred[1])
     blocks = np.sort(_block_means(diff).ravel())
     peak = float(blocks[-1])
