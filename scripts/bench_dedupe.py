@@ -33,7 +33,7 @@ from vlbatch.pipeline import imaging  # noqa: E402
 import dedupe_set  # noqa: E402
 
 from vlbatch.pipeline.dedupe import (  # noqa: E402
-    blank_area_marks, compare_pixels, hamming, ink_shift, same_page)  # noqa: E402
+    PagePair, hamming, same_page)
 
 MIN, MAX = 64 * 32 * 32, 1280 * 32 * 32
 DOCUMENTS = [("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 EUR"),
@@ -130,9 +130,8 @@ def all_pairs(seeds=(0, 1, 2)):
 
 def decide(a, b, settings) -> dict:
     distance = hamming(imaging.perceptual_hash(a[0]), imaging.perceptual_hash(b[0]))
-    peak, ratio = compare_pixels(a[0], b[0])
-    marks = blank_area_marks(a[0], b[0])
-    shift = ink_shift(a[0], b[0])
+    pair = PagePair(a[0], b[0])
+    (peak, ratio), marks, shift = pair.block_difference(), pair.blank_marks(), pair.ink_shift()
     merged = distance <= settings.max_phash_distance and same_page(a[0], b[0], a[1], b[1], settings)
     return {"phash_distance": distance, "blank_marks": round(marks, 1),
             "ink_shift": round(shift, 2), "peak": round(peak, 1),

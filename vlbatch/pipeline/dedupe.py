@@ -4,12 +4,13 @@ Exact copies (the same normalised pixels, so the same content hash) always merge
 perceptual hash finds near-copies (re-renders at another DPI, JPEG re-encodings, PNG vs
 JPEG), but it cannot tell them from pages of one template that differ in a single field:
 those hash alike too. So every near-copy is confirmed at pixel level before it merges, on
-two measures, both at one size, block by block (`same_page`):
+three measures, both pages at one size (`PagePair`, `same_page`):
 - ink on blank paper: what one page has where the other is blank (a tick, a signature, a
   stamp, a speck, a watermark) stands out fully, while a re-render at another resolution
   only moves edges by under a pixel, next to ink;
+- ink shift: a line struck through text darkens its areas together;
 - local differences: resampling and JPEG noise is spread over every glyph; a change in one
-  place (a digit, a struck-through word) stands out above the rest.
+  place (a digit) stands out above the rest.
 A wrong merge gives one document's answer to another, so the thresholds err on the side of
 not merging; the text layers count only against a merge (different text, different page).
 Figures: scripts/bench_dedupe.py, docs/benchmarks.md.
@@ -60,41 +61,9 @@ def _comparison_size(a: Image.Image, b: Image.Image) -> tuple[int, int] | None:
     return (max(4 * BLOCK, round(smaller.width * scale)), max(4 * BLOCK, round(smaller.height * scale)))
 
 
-class _Pair:
-    """Two pages in grey at the size they are compared at (None: aspect ratios differ)."""
-
-    def __init__(self, a: Image.Image, b: Image.Image):
-        self.size = _comparison_size(a, b)
-        if self.size is not None:
-            self.greys = (_grey(a, self.size), _grey(b, self.size))
-            self.arrays = tuple(np.asarray(grey, np.int16) for grey in self.greys)
-
-
 def _block_means(values: np.ndarray) -> np.ndarray:
     h, w = (values.shape[0] // BLOCK) * BLOCK, (values.shape[1] // BLOCK) * BLOCK
     return values[:h, :w].reshape(h // BLOCK, BLOCK, w // BLOCK, BLOCK).mean(axis=(1, 3))
-
-
-def compare_pixels(a: Image.Image, b: Image.Image) -> tuple[float, float]:
-    """(peak, peak ratio) of the block differences of two pages brought to one size and
-    lightly blurred: peak is the largest block's mean absolute difference (0-255); peak
-    ratio is that over the RANK-th largest. Rendering and compression noise spreads over
-    every block with ink (ratio near 1-2); a change of content in one place stands out in
-    a few blocks (ratio well above 2). Inf when the aspect ratios differ."""
-    return _compare(_Pair(a, b))
-
-
-def _compare(pair: _Pair) -> tuple[float, float]:
-    if pair.size is None:
-        return float("inf"), float("inf")
-    blurred = [np.asarray(grey.filter(ImageFilter.GaussianBlur(1.0)), np.float32) for grey in pair.greys]
-    diff = np.abs(blurred[0] - blurred[1])
-    blocks = np.sort(_block_means(diff).ravel())
-    peak = float(blocks[-1])
-    reference = float(blocks[-min(RANK, blocks.size)])
-    if peak < NOISE_FLOOR:  # identical but for noise: nothing stands out
-        return peak, 1.0
-    return peak, peak / max(reference, 1e-3)
 
 
 def _neighbourhood(pixels: np.ndarray, pick) -> np.ndarray:
@@ -116,39 +85,54 @@ def _marks_on_blank(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return outside
 
 
-def blank_area_marks(a: Image.Image, b: Image.Image) -> float:
-    """The largest 8x8 block mean of what either page has where the other is blank
-    (0-255): near 0 for re-renders at any resolution and re-encodings, 15 and more for a
-    mark on paper. Inf when the aspect ratios differ."""
-    return _blank_marks(_Pair(a, b))
+def _stand_out(values: np.ndarray) -> tuple[float, float]:
+    """(largest, largest over the RANK-th largest); ratio 1 below the noise floor."""
+    values = np.sort(values.ravel())
+    peak = float(values[-1])
+    if peak < NOISE_FLOOR:  # identical but for noise: nothing stands out
+        return peak, 1.0
+    return peak, peak / max(float(values[-min(RANK, values.size)]), 1e-3)
 
 
-def _blank_marks(pair: _Pair) -> float:
-    if pair.size is None:
-        return float("inf")
-    greys = pair.arrays
-    marks = np.maximum(_marks_on_blank(*greys), _marks_on_blank(*reversed(greys)))
-    return float(_block_means(marks).max())
+class PagePair:
+    """Two pages in grey at the size they are compared at (the smaller one's, at most
+    COMPARE_LONG_SIDE) and the pixel check's three measures of them. Every measure is inf
+    when their aspect ratios differ."""
 
+    def __init__(self, a: Image.Image, b: Image.Image):
+        self.size = _comparison_size(a, b)
+        if self.size is not None:
+            self.greys = (_grey(a, self.size), _grey(b, self.size))
+            self.arrays = tuple(np.asarray(grey, np.int16) for grey in self.greys)
 
-def ink_shift(a: Image.Image, b: Image.Image) -> float:
-    """How far the most changed 16x16 area's ink (its mean level, signed: resampling keeps
-    it, JPEG keeps it) stands out above the RANK-th: a line added across a few words
-    darkens its areas together, rendering noise moves ink within them. Areas overlap by
-    half a side. Inf when the aspect ratios differ."""
-    return _ink_shift(_Pair(a, b))
+    def blank_marks(self) -> float:
+        """The largest 8x8 block mean of what either page has where the other is blank
+        (0-255): near 0 for re-renders at any resolution and re-encodings, 15 and more for
+        a mark on paper."""
+        if self.size is None:
+            return float("inf")
+        a, b = self.arrays
+        return float(_block_means(np.maximum(_marks_on_blank(a, b), _marks_on_blank(b, a))).max())
 
+    def ink_shift(self) -> float:
+        """How far the most changed 16x16 area's ink (its mean level, signed: resampling
+        keeps it, JPEG keeps it) stands out above the RANK-th: a line added across a few
+        words darkens its areas together, rendering noise moves ink within them. Areas
+        overlap by half a side."""
+        if self.size is None:
+            return float("inf")
+        half = _block_means((self.arrays[0] - self.arrays[1]).astype(np.float32))  # signed, 8x8
+        return _stand_out(np.abs(half[:-1, :-1] + half[1:, :-1] + half[:-1, 1:] + half[1:, 1:]) / 4)[1]
 
-def _ink_shift(pair: _Pair) -> float:
-    if pair.size is None:
-        return float("inf")
-    greys = pair.arrays
-    half = _block_means((greys[0] - greys[1]).astype(np.float32))  # signed, 8x8
-    areas = np.abs(half[:-1, :-1] + half[1:, :-1] + half[:-1, 1:] + half[1:, 1:]) / 4
-    areas = np.sort(areas.ravel())
-    if areas[-1] < NOISE_FLOOR:
-        return 1.0
-    return float(areas[-1] / max(areas[-min(RANK, areas.size)], 1e-3))
+    def block_difference(self) -> tuple[float, float]:
+        """(peak, peak ratio) of the block differences, both pages lightly blurred: peak is
+        the largest 8x8 block's mean absolute difference (0-255), the ratio that over the
+        RANK-th largest. Rendering and compression noise spreads over every block with ink
+        (ratio near 1-2); a change of content in one place stands out in a few blocks."""
+        if self.size is None:
+            return float("inf"), float("inf")
+        blurred = [np.asarray(grey.filter(ImageFilter.GaussianBlur(1.0)), np.float32) for grey in self.greys]
+        return _stand_out(_block_means(np.abs(blurred[0] - blurred[1])))
 
 
 def _words(text: str | None) -> str:
@@ -159,19 +143,19 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
               settings) -> bool:
     """The pixel check, whatever the text layers say (an equal text layer says nothing of
     ticks, stamps and drawings; a different one does rule a merge out):
-    - nothing on blank paper in one page that the other lacks (`blank_area_marks`), and
-    - no area whose ink level changed more than the rest's (`ink_shift`), and
+    - nothing on blank paper in one page that the other lacks (`PagePair.blank_marks`),
+    - no area whose ink level changed more than the rest's (`PagePair.ink_shift`), and
     - no region that stands out from the rest: the largest block difference at most
       `max_peak_ratio` times the RANK-th (re-rendering noise is spread over every glyph,
       a change in one place is not) and at most `max_block_diff`."""
     if _words(text_a) and _words(text_b) and _words(text_a) != _words(text_b):
         return False
-    pair = _Pair(a, b)
-    if _blank_marks(pair) > settings.max_blank_mark:
+    pair = PagePair(a, b)
+    if pair.blank_marks() > settings.max_blank_mark:
         return False
-    if _ink_shift(pair) > settings.max_ink_shift_ratio:
+    if pair.ink_shift() > settings.max_ink_shift_ratio:
         return False
-    peak, ratio = _compare(pair)
+    peak, ratio = pair.block_difference()
     return peak <= settings.max_block_diff and ratio <= settings.max_peak_ratio
 
 
