@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
+from vlbatch import answer_schema
 from vlbatch.errors import JobFileError
 
 # Placeholders a prompt may use; any other brace is literal text (prompts often hold JSON).
@@ -40,6 +42,53 @@ class Task(_Strict):
     seed: int | None = None
     ignore_eos: bool = Field(default=False, description="Generate max_tokens whatever the "
                              "model says (benchmarks force a fixed output length with it).")
+    json_schema: str | None = Field(default=None, alias="schema", description="The fields "
+                                    "this task extracts, as a JSON Schema: a mapping, or a "
+                                    ".json/.yaml file relative to the job file. Enforced while "
+                                    "generating; typed columns in OUTPUT/fields/<task>/.")
+    fields: str | None = Field(default=None, description="The same in a compact form: field "
+                               "name -> string | integer | number | boolean | date | datetime | "
+                               "list[T] | [one, of] | a mapping; '?' for nullable "
+                               "(vlbatch/answer_schema.py).")
+    retry_repetition_penalty: float = Field(default=1.2, ge=1.0, description="An answer that "
+                                            "loops to max_tokens (or breaks its schema) is "
+                                            "generated once more with this repetition penalty.")
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _load_schema(cls, value, info: ValidationInfo):
+        """Held as canonical JSON (a task stays hashable); read once, here."""
+        if value is None:
+            return None
+        base = (info.context or {}).get("base_dir")
+        schema = answer_schema.load_schema(value, Path(base) if base else None)
+        answer_schema.check_schema(schema)
+        return json.dumps(schema, sort_keys=True)
+
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _compact_fields(cls, value):
+        if value is None:
+            return None
+        if isinstance(value, str):  # as dumped (Ray's actors get the job as plain data)
+            value = json.loads(value)
+        answer_schema.check_schema(answer_schema.compact_to_json_schema(value))
+        return json.dumps(value)  # in the order written: the columns' order
+
+    @model_validator(mode="after")
+    def _one_schema(self) -> Task:
+        if self.json_schema is not None and self.fields is not None:
+            raise ValueError("give `schema` or `fields`, not both")
+        return self
+
+    @property
+    def answer_schema(self) -> dict | None:
+        """The JSON Schema answers must follow, or None for free text."""
+        if self.json_schema is not None:
+            return _parsed(self.json_schema)
+        if self.fields is not None:
+            return _compact(self.fields)
+        return None
 
     @field_validator("prompt")
     @classmethod
@@ -70,9 +119,24 @@ class Task(_Strict):
         return _task_fingerprint(self)
 
 
+@lru_cache(maxsize=64)
+def _parsed(text: str) -> dict:
+    return json.loads(text)
+
+
+@lru_cache(maxsize=64)
+def _compact(text: str) -> dict:
+    return answer_schema.compact_to_json_schema(json.loads(text))
+
+
 @lru_cache(maxsize=1024)  # asked for every row and every done-check; tasks are frozen
 def _task_fingerprint(task: Task) -> str:
     fields = task.model_dump(exclude={"name"})
+    # settings added later are left out at their defaults: older rows stay current
+    for name, default in (("json_schema", None), ("fields", None),
+                          ("retry_repetition_penalty", 1.2)):
+        if fields[name] == default:
+            del fields[name]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -285,7 +349,7 @@ def load_job(path: str | Path, *, output: str | None = None, cache: str | None =
         raise JobFileError(f"{path}: a job file must be a mapping of fields, got {type(raw).__name__}")
     base = path.resolve().parent
     try:
-        job = Job.model_validate({**raw, "base_dir": base})
+        job = Job.model_validate({**raw, "base_dir": base}, context={"base_dir": base})
     except ValidationError as e:
         problems = "; ".join(_describe(err) for err in e.errors())
         raise JobFileError(f"{path}: {problems}") from None

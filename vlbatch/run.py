@@ -182,7 +182,7 @@ def _manifest(job: Job, stats: RunStats, status: str, plan, engine_version: str 
     return {
         "run_id": stats.run_id, "status": status, "job": job.name,
         "config_hash": job.config_hash(),
-        "config": job.model_dump(mode="json", exclude={"base_dir"}),
+        "config": job.model_dump(mode="json", exclude={"base_dir"}, by_alias=True),
         "limit": limit, "retry_errors": retry_errors,
         "inputs": [{"path": s.abs_path, "matched_path": s.path, "sha256": s.sha256,
                     "size": s.size} for s in sources],

@@ -23,6 +23,7 @@ class Request:
     task: Task
     chat_prompt: str | None = None  # the text in the model's chat template; None: the
     # engine applies it (the local route thread does, so the engine's thread need not)
+    retry: bool = False  # generated once more after a failed review: the task's retry settings
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Completion:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     rejected: bool = False  # the engine refused the request (error set): never generated
+    finish_reason: str | None = None  # vLLM's: 'stop' (end of answer), 'length' (max_tokens)
+    tries: int = 1  # generations it took (2: the first answer failed its review)
+    error_output: str | None = None  # the text of an answer kept as an error (schema, loop)
 
 
 class GenerationEngine(Protocol):

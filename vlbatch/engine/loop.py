@@ -8,6 +8,11 @@ on Ray. If the engine dies and the loop was given a way to start another (`resta
 starts one, once, and hands it again what the dead one held; if that one dies too (or
 there is no restart), every request in it and every later one fails with the reason, and
 `on_down` is told.
+
+Given a `review` (pipeline/answers.py), each answer is looked at as it arrives: one that
+fails (a schema broken, a loop to max_tokens) goes back to the engine once, as a retry
+(`Request.retry`), ahead of the inbox; if the retry fails too, the request's completion is
+an error with the reason and the text (`error_output`).
 """
 
 from __future__ import annotations
@@ -15,25 +20,33 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 from vlbatch.engine.base import Completion, GenerationEngine, Request
 
 log = logging.getLogger("vlbatch")
 IDLE_WAIT_S = 0.005  # nothing ready: how long the engine waits before it steps again
+RETRY_SUFFIX = "#retry"  # a retry's request id: its request's, and this
 _CLOSE = object()
 
 
 class EngineLoop:
     def __init__(self, engine: GenerationEngine, max_waiting: int = 0,
                  restart: Callable[[], GenerationEngine] | None = None,
-                 on_down: Callable[[str], None] | None = None):
+                 on_down: Callable[[str], None] | None = None,
+                 review: Callable[[Request, Completion], str | None] | None = None):
         """max_waiting: requests submitted but not yet taken by the engine, at most
         (`submit` blocks beyond it); 0: no bound. restart: starts a new engine after the
-        first death; on_down: called with the reason once the loop has given up."""
+        first death; on_down: called with the reason once the loop has given up; review:
+        why an answer is not to be kept (None: keep it)."""
         self.engine = engine
-        self.restart, self.on_down = restart, on_down
+        self.restart, self.on_down, self.review = restart, on_down, review
+        self.retries: deque[Request] = deque()  # to the engine before the inbox (its thread)
+        self.retrying: dict[str, Request] = {}  # retry id -> the retry, until answered
+        self.retried = 0  # answers generated once more
         self.restarts = 0
         self.inbox: queue.Queue = queue.Queue(maxsize=max_waiting)
         self.waiting: dict[str, tuple[Future, Request]] = {}  # submitted, not answered
@@ -73,6 +86,11 @@ class EngineLoop:
             self.in_engine[request.request_id] = None
             yield request
         while True:
+            if self.retries:
+                retry = self.retries.popleft()
+                self.in_engine[retry.request_id] = None
+                yield retry
+                continue
             try:
                 item = self.inbox.get(timeout=IDLE_WAIT_S)
             except queue.Empty:
@@ -88,11 +106,15 @@ class EngineLoop:
         while True:
             try:
                 for done in self.engine.generate(self._feed(replay)):
+                    self.in_engine.pop(done.request_id, None)
+                    done = self._reviewed(done)
+                    if done is None:  # generated again
+                        continue
                     with self.lock:
                         waiting = self.waiting.pop(done.request_id, None)
-                    self.in_engine.pop(done.request_id, None)
                     if waiting is not None:
                         waiting[0].set_result(done)
+                self._end_retries()
                 return
             except Exception as e:  # the engine died
                 reason = f"engine failed: {e}"
@@ -107,7 +129,8 @@ class EngineLoop:
                     reason = f"engine failed: {e}; a new one did not start: {start_error}"
                     break
                 with self.lock:
-                    replay = [self.waiting[r][1] for r in self.in_engine if r in self.waiting]
+                    replay = [self.retrying.get(r) or self.waiting[r][1] for r in self.in_engine
+                              if r in self.retrying or r in self.waiting]
                 self.in_engine = {}
         log.error("%s", reason)
         with self.lock:
@@ -122,6 +145,40 @@ class EngineLoop:
             except queue.Empty:
                 continue
             self._fail_waiting()
+
+    def _reviewed(self, done: Completion) -> Completion | None:
+        """The completion to resolve its request with; None when it went back to the engine."""
+        retry = self.retrying.pop(done.request_id, None)
+        if retry is not None:
+            done = replace(done, request_id=done.request_id.removesuffix(RETRY_SUFFIX), tries=2)
+        if self.review is None:
+            return done
+        with self.lock:
+            entry = self.waiting.get(done.request_id)
+        if entry is None:
+            return done
+        problem = self.review(entry[1], done)
+        if problem is None:
+            return done
+        if retry is None:  # once more, with the task's retry settings
+            again = replace(entry[1], request_id=done.request_id + RETRY_SUFFIX, retry=True)
+            self.retrying[again.request_id] = again
+            self.retries.append(again)
+            self.retried += 1
+            return None
+        return Completion(done.request_id, None, problem, done.prompt_tokens, done.output_tokens,
+                          finish_reason=done.finish_reason, tries=2, error_output=done.text)
+
+    def _end_retries(self) -> None:
+        """Retries the engine never took (it was closed first): failed with the reason."""
+        while self.retries:
+            retry = self.retries.popleft()
+            self.retrying.pop(retry.request_id, None)
+            with self.lock:
+                entry = self.waiting.pop(retry.request_id.removesuffix(RETRY_SUFFIX), None)
+            if entry is not None:
+                entry[0].set_result(Completion(retry.request_id.removesuffix(RETRY_SUFFIX),
+                                               None, "engine closed before a retry", tries=1))
 
     def _fail_waiting(self) -> None:
         with self.lock:

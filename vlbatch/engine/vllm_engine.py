@@ -47,6 +47,12 @@ def engine_kwargs(job: Job) -> dict:
         kwargs["mm_processor_cache_gb"] = 0
     if e.mm_tensor_ipc is not None:
         kwargs["mm_tensor_ipc"] = e.mm_tensor_ipc
+    if any(t.answer_schema is not None for t in job.tasks):
+        # JSON without free whitespace: a weak or random model given a grammar that allows
+        # it writes '{' and then whitespace to max_tokens. Engine-wide in vLLM (a request's
+        # own setting is ignored); it needs a backend named, xgrammar here.
+        kwargs["structured_outputs_config"] = {"backend": "xgrammar",
+                                               "disable_any_whitespace": True}
     compilation = {name: True for name, on in (("compile_mm_encoder", e.compile_mm_encoder),
                                                ("cudagraph_mm_encoder", e.cudagraph_mm_encoder)) if on}
     if compilation:
@@ -70,7 +76,7 @@ class VllmEngine:
         self.max_in_flight = job.engine.max_in_flight
         # the processor may still be loading (a Future) while the engine starts
         self._prompts = prompts
-        self._params: dict[str, object] = {}
+        self._params: dict[tuple[str, bool], object] = {}
         self._thread_failures: dict[str, int] = {}  # exception name: count
         started = time.monotonic()
         try:
@@ -132,18 +138,23 @@ class VllmEngine:
             self._prompts = self._prompts.result()
         return self._prompts
 
-    def sampling_params(self, task: Task):
-        if task.name not in self._params:
+    def sampling_params(self, task: Task, retry: bool = False):
+        """The task's settings; a retry (its first answer looped or broke its schema) adds
+        the task's repetition penalty. A schema task's answers follow its JSON Schema."""
+        if (task.name, retry) not in self._params:
             from vllm import SamplingParams
-            from vllm.sampling_params import RequestOutputKind
+            from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+            schema = task.answer_schema
             # only finished requests are read: without FINAL_ONLY (LLM.generate's setting)
             # vLLM builds an output per running request at every step on the feeding thread
-            self._params[task.name] = SamplingParams(
+            self._params[task.name, retry] = SamplingParams(
                 max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
                 seed=task.seed, ignore_eos=task.ignore_eos,
+                repetition_penalty=task.retry_repetition_penalty if retry else 1.0,
+                structured_outputs=StructuredOutputsParams(json=schema) if schema else None,
                 output_kind=RequestOutputKind.FINAL_ONLY)
-        return self._params[task.name]
+        return self._params[task.name, retry]
 
     def vllm_prompt(self, request: Request) -> dict:
         return {"prompt": request.chat_prompt or self.prompts.chat_prompt(request.text),
@@ -170,7 +181,7 @@ class VllmEngine:
                             break
                         time.sleep(IDLE_WAIT_S)
                     elif front is not None:
-                        params = self.sampling_params(request.task)
+                        params = self.sampling_params(request.task, request.retry)
                         preparing.append((request, front.prepare(
                             request.request_id, self.vllm_prompt(request), params)))
                     else:
@@ -204,7 +215,7 @@ class VllmEngine:
     def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
         a Completion when it is refused (over-long prompt, bad image, ...)."""
-        params = self.sampling_params(request.task)
+        params = self.sampling_params(request.task, request.retry)
         processed = None
         if prepared is not None:
             try:
@@ -243,7 +254,8 @@ class VllmEngine:
         first = out.outputs[0]
         if first.finish_reason == "abort":
             return Completion(out.request_id, None, "request aborted by the engine", prompt_tokens)
-        return Completion(out.request_id, first.text, None, prompt_tokens, len(first.token_ids))
+        return Completion(out.request_id, first.text, None, prompt_tokens, len(first.token_ids),
+                          finish_reason=first.finish_reason)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

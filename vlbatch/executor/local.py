@@ -26,6 +26,7 @@ from vlbatch.engine.loop import EngineLoop
 from vlbatch.errors import EngineStayedDown
 from vlbatch.executor.context import RunContext
 from vlbatch.pipeline import scope
+from vlbatch.pipeline.answers import review
 from vlbatch.pipeline.dedupe import Deduper
 from vlbatch.pipeline.ingest import RenderedPage
 from vlbatch.pipeline.plan import PageUnit
@@ -202,7 +203,8 @@ class LocalExecutor:
         sink.engine_version = getattr(generation_engine, "version", None)
         loop = EngineLoop(generation_engine, max_waiting=64,
                           restart=lambda: ctx.engine_factory(ctx.job, ctx.prompts),
-                          on_down=lambda reason: events.put(("engine_down", reason)))
+                          on_down=lambda reason: events.put(("engine_down", reason)),
+                          review=review)
         engine.set_result(loop)
         return loop
 

@@ -38,7 +38,7 @@ ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64()}
 
 def job_to_dict(job: Job) -> dict:
     """The job as plain data for the actors (its paths are absolute once loaded)."""
-    return {**job.model_dump(mode="json"), "base_dir": str(job.base_dir)}
+    return {**job.model_dump(mode="json", by_alias=True), "base_dir": str(job.base_dir)}
 
 
 def _table(rows: list[dict], *extra: dict) -> pa.Table:
@@ -84,12 +84,15 @@ def routes_json(routed: RoutedPage) -> str:
 
 def answer_json(done: Completion) -> dict:
     return {"text": done.text, "error": done.error, "rejected": done.rejected,
-            "prompt_tokens": done.prompt_tokens, "output_tokens": done.output_tokens}
+            "prompt_tokens": done.prompt_tokens, "output_tokens": done.output_tokens,
+            "finish_reason": done.finish_reason, "tries": done.tries,
+            "error_output": done.error_output}
 
 
 def answer_of(key: str, entry: dict) -> Completion:
     return Completion(key, entry["text"], entry["error"], entry["prompt_tokens"],
-                      entry["output_tokens"], entry["rejected"])
+                      entry["output_tokens"], entry["rejected"], entry.get("finish_reason"),
+                      entry.get("tries", 1), entry.get("error_output"))
 
 
 def routed_of(text: str, job: Job) -> RoutedPage:
@@ -165,7 +168,9 @@ class GeneratePages:
         self.engine = engine_factory(self.job, None)
         self.start_s = round(time.monotonic() - started, 1)
         self.version = getattr(self.engine, "version", None)
-        self.loop = EngineLoop(self.engine)
+        from vlbatch.pipeline.answers import review
+
+        self.loop = EngineLoop(self.engine, review=review)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()

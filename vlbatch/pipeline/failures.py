@@ -30,6 +30,7 @@ TRANSIENT_REASONS = (
     "request aborted by the engine",
     "request refused by the engine",  # not a bad request: resources (vllm_engine.py)
     "the answer of the page this copies was lost",
+    "engine closed before a retry",
 )
 
 

@@ -57,7 +57,8 @@ class RoutedPage:
 
 def cached_answer(key: str, hit: dict) -> Completion:
     """An answer as the result cache keeps it."""
-    return Completion(key, hit["output"], None, hit.get("prompt_tokens"), hit.get("output_tokens"))
+    return Completion(key, hit["output"], None, hit.get("prompt_tokens"), hit.get("output_tokens"),
+                      finish_reason=hit.get("finish_reason"))
 
 
 class Router:

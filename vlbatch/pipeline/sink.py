@@ -9,12 +9,14 @@ routed or answered gets error rows with the reason (`fail_unseen`, `fail_pending
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from vlbatch.engine.base import Completion
+from vlbatch.pipeline.answers import fields_schema, schema_problem, typed_fields
 from vlbatch.job import Job, Task
 from vlbatch.pipeline.ingest import RenderedPage
 from vlbatch.pipeline.failures import error_kind
@@ -52,6 +54,8 @@ class RunStats:
     rows_error: int = 0
     rows_transient: int = 0  # error rows the next run retries by itself (failures.py)
     engine_restarts: int = 0  # engines started again after one died mid-run
+    retried: int = 0  # answers generated once more: they looped or broke their schema
+    fields_rows: int = 0  # typed rows written to fields/<task>/
     rows_stale: int = 0  # rows done again: their prompt, sampling, model or render changed
     pages_with_errors: int = 0
     prompt_tokens: int = 0
@@ -90,7 +94,8 @@ class AnswerBook:
         if done.error is None and self.results is not None:
             self.results.put(key, {"output": done.text, "origin": origin,
                                    "prompt_tokens": done.prompt_tokens,
-                                   "output_tokens": done.output_tokens})
+                                   "output_tokens": done.output_tokens,
+                                   "finish_reason": done.finish_reason})
         else:
             self.kept[key] = done
         return self.waiting.pop(key, [])
@@ -118,9 +123,14 @@ class RunSink:
         self.progress = progress or (lambda stats: None)
         self.pages = PartWriter(output.pages, run_id, PAGE_SCHEMA, job.part_rows,
                                 job.part_seconds)
-        # pages first: a reader never sees a result row whose page row is not there yet
+        # a schema task's typed rows (answers.py), after their pages
+        self.fields = {t.name: PartWriter(output.fields_of(t.name), run_id, fields_schema(t),
+                                          job.part_rows, job.part_seconds,
+                                          before_flush=self.pages.flush)
+                       for t in job.tasks if t.answer_schema is not None}
+        # pages and fields first: a reader never sees a result row without its page row
         self.results = PartWriter(output.results, run_id, RESULT_SCHEMA, job.part_rows,
-                                  job.part_seconds, before_flush=self.pages.flush)
+                                  job.part_seconds, before_flush=self._flush_pages_and_fields)
         self.book = AnswerBook(results)
         self.pending: dict[str, _Row] = {}  # request key -> the row its answer goes to
         self.unseen: dict[int, PageUnit] = {}  # planned pages without a page row yet
@@ -179,6 +189,7 @@ class RunSink:
             s.rejected += 1
         else:
             s.failed += 1
+        s.retried += done.tries > 1
         s.prompt_tokens += done.prompt_tokens or 0
         s.output_tokens += done.output_tokens or 0
         self._answer_row(row, done, None, cached=False)
@@ -199,7 +210,12 @@ class RunSink:
             self.page_failed(unit, RenderFailure(reason, reason))
 
     def close(self) -> None:
-        self.results.flush()  # the pages with it
+        self.results.flush()  # the pages and fields with it
+
+    def _flush_pages_and_fields(self) -> None:
+        self.pages.flush()
+        for writer in self.fields.values():
+            writer.flush()
 
     # ----- rows -----
     def _copy_row(self, row: _Row, answer: Completion, origin: str) -> None:
@@ -209,12 +225,19 @@ class RunSink:
     def _answer_row(self, row: _Row, answer: Completion, origin: str | None, cached: bool) -> None:
         self._row(row, output=answer.text, error=answer.error, cached=cached,
                   reused_from=origin if origin != row.unit.ref else None,
-                  prompt_tokens=answer.prompt_tokens, output_tokens=answer.output_tokens)
+                  prompt_tokens=answer.prompt_tokens, output_tokens=answer.output_tokens,
+                  finish_reason=answer.finish_reason, tries=answer.tries,
+                  error_output=answer.error_output)
 
     def _row(self, row: _Row, *, output: str | None = None, error: str | None = None,
              cached: bool = False, reused_from: str | None = None,
-             prompt_tokens: int | None = None, output_tokens: int | None = None) -> None:
+             prompt_tokens: int | None = None, output_tokens: int | None = None,
+             finish_reason: str | None = None, tries: int = 1,
+             error_output: str | None = None) -> None:
         unit, task, s = row.unit, row.task, self.stats
+        finished_at = datetime.now(timezone.utc)
+        if error is None and task.name in self.fields:
+            error, error_output = self._fields_row(row, output, finished_at)
         kind = error_kind(error)
         self.results.add(dict(
             source=unit.source.abs_path, page=unit.page, task=task.name,
@@ -223,10 +246,10 @@ class RunSink:
             content_hash=row.hashes[0], phash=row.hashes[1], cached=cached,
             reused_from=reused_from, model=self.job.model, run_id=s.run_id,
             source_sha256=unit.source.sha256, task_hash=self.task_hashes[task.name],
-            prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-            finished_at=datetime.now(timezone.utc),
-            attempt=self.history.attempt(done_key(unit, task, self.task_hashes[task.name])) + 1,
-            error_kind=kind, matched_path=unit.source.path))
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens, finished_at=finished_at,
+            attempt=self.history.attempt(done_key(unit, task, self.task_hashes[task.name])) + tries,
+            error_kind=kind, matched_path=unit.source.path, finish_reason=finish_reason,
+            error_output=error_output))
         if error is None:
             s.rows_ok += 1
         else:
@@ -241,6 +264,22 @@ class RunSink:
             s.pages_finished += 1
         s.requests_finished += 1
         self.progress(s)
+
+    def _fields_row(self, row: _Row, output: str | None,
+                    finished_at: datetime) -> tuple[str | None, str | None]:
+        """The typed row of an ok answer of a schema task; (error, its text) when the answer
+        does not fit (checked when generated; an answer from a cache or a copy is checked
+        here again)."""
+        problem = schema_problem(row.task, output or "", None)
+        if problem is not None:
+            return problem, output
+        unit = row.unit
+        self.fields[row.task.name].add(dict(
+            source=unit.source.abs_path, page=unit.page, task=row.task.name,
+            run_id=self.stats.run_id, finished_at=finished_at, content_hash=row.hashes[0],
+            **typed_fields(row.task, json.loads(output))))
+        self.stats.fields_rows += 1
+        return None, None
 
     def _page_row(self, unit: PageUnit, page: RenderedPage | None, error: str | None) -> None:
         self.unseen.pop(unit.order, None)

@@ -4,6 +4,7 @@ manifest, the output folder's lock, and the index of what earlier runs already f
 Layout (DESIGN.md):
     OUTPUT/results/part-<run_id>-<seq>.parquet
     OUTPUT/pages/part-<run_id>-<seq>.parquet
+    OUTPUT/fields/<task>/part-<run_id>-<seq>.parquet   (schema tasks: typed columns)
     OUTPUT/_runs/<run_id>.json
     OUTPUT/.lock
 """
@@ -48,6 +49,8 @@ RESULT_SCHEMA = pa.schema([
     ("attempt", pa.int32()),  # this row's try at its key: 1, 2, ... (failures.py)
     ("error_kind", pa.string()),  # 'transient' (retried by the next run) or 'permanent'
     ("matched_path", pa.string()),  # the input as the job's glob matched it (`source`: absolute)
+    ("finish_reason", pa.string()),  # vLLM's: 'stop', 'length' (max_tokens); null: none generated
+    ("error_output", pa.string()),  # an answer kept as an error (schema:, degenerate output): its text
 ])
 
 PAGE_SCHEMA = pa.schema([
@@ -149,6 +152,7 @@ class OutputFolder:
         self.results = self.root / "results"
         self.pages = self.root / "pages"
         self.runs = self.root / "_runs"
+        self.fields = self.root / "fields"
         try:
             for folder in (self.root, self.results, self.pages, self.runs):
                 failing = folder
@@ -189,10 +193,16 @@ class OutputFolder:
         """Half-written parts and manifests of a run that died mid-write (only with the
         lock held: no live run is writing them)."""
         stale = [*self.results.glob(".part-*.tmp"), *self.pages.glob(".part-*.tmp"),
-                 *self.runs.glob(".*.json.tmp")]
+                 *self.fields.glob("*/.part-*.tmp"), *self.runs.glob(".*.json.tmp")]
         for path in stale:
             path.unlink(missing_ok=True)
         return len(stale)
+
+    def fields_of(self, task: str) -> Path:
+        """A schema task's fields folder, made when first asked for."""
+        folder = self.fields / task
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def part_files(self, kind: str = "results") -> list[Path]:
         return sorted((self.root / kind).glob("part-*.parquet"))
