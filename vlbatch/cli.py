@@ -179,6 +179,34 @@ def inspect(
         out_console.print(errors)
 
 
+@app.command()
+def compact(
+    output: Path = typer.Argument(..., help="An output folder of vlbatch run."),
+    current: bool = typer.Option(False, "--current", help="Keep only each key's current "
+                                 "(newest) row; default: every row."),
+    rows_per_part: int = typer.Option(500_000, "--rows-per-part", min=1,
+                                      help="Rows per compacted part."),
+) -> None:
+    """Merge the small parts of results, pages and fields into large ones, atomically, under
+    the output's lock: readers see the old parts or the new ones."""
+    from rich.table import Table
+
+    from vlbatch.compact import compact_output
+
+    try:
+        tables = compact_output(output, current=current, rows_per_part=rows_per_part)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    summary = Table(title=f"compacted {output}", title_justify="left")
+    for column in ("table", "parts before", "parts after", "rows before", "rows after"):
+        summary.add_column(column, justify="left" if column == "table" else "right")
+    for t in tables:
+        summary.add_row(t.table, str(t.parts_before), str(t.parts_after), str(t.rows_before),
+                        str(t.rows_after))
+    out_console.print(summary)
+
+
 def _version(value: bool) -> None:
     if value:
         from vlbatch import __version__

@@ -55,6 +55,7 @@ class RunStats:
     rows_transient: int = 0  # error rows the next run retries by itself (failures.py)
     engine_restarts: int = 0  # engines started again after one died mid-run
     retried: int = 0  # answers generated once more: they looped or broke their schema
+    bad_answers: int = 0  # generated, but kept as errors (schema:, degenerate output)
     fields_rows: int = 0  # typed rows written to fields/<task>/
     rows_stale: int = 0  # rows done again: their prompt, sampling, model or render changed
     pages_with_errors: int = 0
@@ -185,6 +186,8 @@ class RunSink:
         s = self.stats
         if done.error is None:
             s.generated += 1
+        elif done.error_output is not None:  # generated, twice; answers.py said no
+            s.bad_answers += 1
         elif done.rejected:
             s.rejected += 1
         else:

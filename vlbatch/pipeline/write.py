@@ -17,6 +17,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -139,7 +140,12 @@ def _replace_durably(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
+    fsync_folder(path.parent)
+
+
+def fsync_folder(path: Path) -> None:
+    """A folder's entries (a rename, a new file) durable."""
+    folder = os.open(path, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:
@@ -190,13 +196,17 @@ class OutputFolder:
             os.close(fd)  # closing releases the flock
 
     def remove_stale_temporaries(self) -> int:
-        """Half-written parts and manifests of a run that died mid-write (only with the
-        lock held: no live run is writing them)."""
+        """Half-written parts and manifests of a run that died mid-write, and what a killed
+        `vlbatch compact` left beside the live folders (only with the lock held: no live
+        run is writing them)."""
         stale = [*self.results.glob(".part-*.tmp"), *self.pages.glob(".part-*.tmp"),
                  *self.fields.glob("*/.part-*.tmp"), *self.runs.glob(".*.json.tmp")]
         for path in stale:
             path.unlink(missing_ok=True)
-        return len(stale)
+        compactions = [*self.root.glob(".*.compact*"), *self.fields.glob(".*.compact*")]
+        for path in compactions:
+            shutil.rmtree(path, ignore_errors=True)
+        return len(stale) + len(compactions)
 
     def fields_of(self, task: str) -> Path:
         """A schema task's fields folder, made when first asked for."""
