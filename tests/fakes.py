@@ -82,3 +82,19 @@ def fake_prompts(job):
 
 def engine_that_cannot_start(job, prompts=None):
     raise RuntimeError("CUDA out of memory while loading the model")
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers each request with `answer(request) -> (text, finish_reason)`."""
+
+    def __init__(self, answer):
+        super().__init__()
+        self.answer = answer
+
+    def generate(self, feed):
+        for request in feed:
+            if request is None:
+                continue
+            self.requests.append(request)
+            text, finish_reason = self.answer(request)
+            yield Completion(request.request_id, text, None, 10, 5, finish_reason=finish_reason)

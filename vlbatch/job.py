@@ -328,7 +328,7 @@ def _describe(error: dict) -> str:
         return f"unknown field '{where}'"
     if kind == "missing":
         return f"missing required field '{where}'"
-    return f"field '{where}': {error['msg']}"
+    return f"field '{where}': {error['msg'].removeprefix('Value error, ')}"
 
 
 def load_job(path: str | Path, *, output: str | None = None, cache: str | None = None) -> Job:
