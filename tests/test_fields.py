@@ -281,3 +281,42 @@ def load_job_from(model):
     return Job.model_validate(job_fields(model, ["x/*"], tasks=[
         {"name": "flags", "prompt": "p", "fields": {"paid": "boolean"},
          "retry_repetition_penalty": 1.3}]))
+
+
+def test_the_readme_queries_over_a_fields_table(samples, write_job, tmp_path):
+    """The README's polars and duckdb snippets ("Typed fields"), run on a real output."""
+    from conftest import ROOT
+
+    job = invoice_job(samples, write_job)
+    totals = iter(range(100))
+
+    def answer(request):
+        n = next(totals)
+        return json.dumps({**INVOICE, "vendor": f"V{n % 2}", "total": float(n),
+                           "paid": n % 3 == 0, "date": "2026-11-0%d" % (1 + n % 9)}), "stop"
+
+    run(job, ScriptedEngine(answer))
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Typed fields"):readme.index("## Compacting the parts")]
+    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    assert len(blocks) == 3
+    scope: dict = {}
+    for block in blocks:
+        exec(block.replace("out/invoices", str(tmp_path / "out")), scope)
+    fields = pl.read_parquet(tmp_path / "out" / "fields" / "invoice" / "*.parquet")
+    unpaid = fields.filter(pl.col("paid").not_())
+    assert scope["invoices"].height == unpaid.height > 0
+    assert scope["invoices"].schema["date"] == pl.Date
+    by_vendor = dict(scope["unpaid_by_vendor"].iter_rows())
+    assert by_vendor == dict(unpaid.group_by("vendor").agg(pl.col("total").sum()).iter_rows())
+    assert dict(zip(scope["unpaid"]["vendor"], scope["unpaid"]["unpaid"])) == by_vendor
+    assert scope["failed"].height == 0
+
+
+def test_the_example_invoice_job_is_valid():
+    from conftest import ROOT
+
+    job = load_job(ROOT / "jobs" / "invoices.yaml")
+    schema = job.tasks[0].answer_schema
+    assert {"vendor", "total", "date", "paid"} <= set(schema["required"])
+    assert job.tasks[1].answer_schema is None
