@@ -30,6 +30,21 @@ TASKS = [("markdown", "Convert this page to Markdown."),
          ("tables", "List every table on this page as CSV.")]
 
 
+# --answers schema: issue 18's invoice fields (structured outputs); --answers free: the same
+# prompt without them. Neither forces the output length (a grammar ends where it ends).
+INVOICE_PROMPT = "Extract the invoice's vendor, total, date, currency and whether it is paid."
+INVOICE_FIELDS = {"vendor": "string", "total": "number", "date": "date", "paid": "boolean",
+                  "currency": ["EUR", "USD", "GBP", "other"]}
+
+
+def bench_tasks(args) -> list[dict]:
+    if args.answers == "forced":
+        return [{"name": n, "prompt": p, "max_tokens": 256, "ignore_eos": True,
+                 "temperature": 0.0} for n, p in TASKS[:args.tasks]]
+    task = {"name": "invoice", "prompt": INVOICE_PROMPT, "max_tokens": 256, "temperature": 0.0}
+    return [{**task, "fields": INVOICE_FIELDS} if args.answers == "schema" else task]
+
+
 class CpuSampler:
     """Once a second: the machine's busy CPU cores (/proc/stat) and the three processes that
     used most CPU in that second, by name. Shows whether something competes with vLLM's
@@ -126,8 +141,7 @@ def write_job(args) -> None:
         "cache": str(Path(args.work).resolve() / "cache"),
         "model": str(Path(args.model).resolve()),
         "result_cache": False,
-        "tasks": [{"name": n, "prompt": p, "max_tokens": 256, "ignore_eos": True,
-                   "temperature": 0.0} for n, p in TASKS[:args.tasks]],
+        "tasks": bench_tasks(args),
         "render": {"dpi": 150, "max_pixels": 1280 * 32 * 32},
         "engine": {"load_format": "dummy", "max_model_len": 4096,
                    **({"max_in_flight": args.max_in_flight} if args.max_in_flight else {}),
@@ -276,6 +290,9 @@ def run_vlbatch(args) -> dict:
             "requests_per_s": round(stats.generated / stats.generation_s, 2),
             "prompt_tokens_per_request": round(stats.prompt_tokens / max(stats.generated, 1), 1),
             "output_tokens": stats.output_tokens,
+            "output_tokens_per_s": round(stats.output_tokens / stats.generation_s, 1),
+            "retried": stats.retried, "bad_answers": stats.bad_answers,
+            "fields_rows": stats.fields_rows,
             "window_s": (round(ended - (stats.generation_s or 0), 2), round(ended, 2)),
             "errors": error_reasons(job.output)}
 
@@ -299,6 +316,9 @@ def main() -> None:
     parser.add_argument("--pages-dir")
     parser.add_argument("--work")
     parser.add_argument("--tasks", type=int, default=1)
+    parser.add_argument("--answers", choices=["forced", "free", "schema"], default="forced",
+                        help="forced: TASKS, 256 tokens each; free/schema: one invoice task "
+                        "without/with its fields")
     parser.add_argument("--max-in-flight", type=int, default=0)
     parser.add_argument("--engine", action="append", default=[],
                         help="job: an engine setting KEY=VALUE (YAML value), repeatable")

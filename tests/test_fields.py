@@ -142,6 +142,23 @@ def test_the_engine_loop_generates_a_failed_answer_once_more_with_the_retry_sett
     assert (bad.text, bad.error, bad.tries, bad.error_output) == (None, DEGENERATE, 2, "6" * 80)
 
 
+def test_a_retry_the_engine_held_when_it_died_goes_to_the_new_engine():
+    died = []
+
+    def answer(request):
+        if request.retry and not died:
+            died.append(request.request_id)
+            raise RuntimeError("engine core died")
+        return ("fine now", "stop") if request.retry else ("5" * 80, "length")
+
+    engine = ScriptedEngine(answer)
+    loop = EngineLoop(engine, review=review, restart=lambda: engine)
+    done = loop.submit(Request("a", None, "p", Task(name="free", prompt="p"))).result(timeout=10)
+    loop.close()
+    assert died == ["a#retry"] and loop.restarts == 1
+    assert (done.request_id, done.text, done.tries) == ("a", "fine now", 2)
+
+
 # ----- typed fields, end to end with a scripted engine -----
 def invoice_job(samples, write_job, **overrides):
     return write_job(job_fields("fake-model", [f"{samples}/*"], tasks=[

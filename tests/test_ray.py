@@ -20,7 +20,8 @@ from vlbatch.run import run_job
 ray = pytest.importorskip("ray")
 
 SAME = ["source", "page", "task", "status", "error", "output", "content_hash", "phash",
-        "cached", "reused_from", "prompt_tokens", "output_tokens", "source_sha256", "task_hash"]
+        "cached", "reused_from", "prompt_tokens", "output_tokens", "source_sha256", "task_hash",
+        "finish_reason", "attempt", "error_output"]
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -60,6 +61,8 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
     fields["engine"]["max_num_seqs"] = 1  # one request at a time in both: batch-invariant
     fields["engine"]["dtype"] = "float32"  # rounding noise far below bf16's
     fields["tasks"].append({"name": "too_long", "prompt": "word " * 2500, "max_tokens": 4})
+    fields["tasks"].append({"name": "flags", "prompt": "Paid?", "max_tokens": 40,  # typed
+                            "fields": {"paid": "boolean", "kind": ["invoice", "other"]}})
     fields["render"]["file_timeout_s"] = 0.000001  # a file's first rendered page uses it up
     local_job = write_job({**fields, "output": "out-local", "cache": "cache-local"}, "local.yaml")
     ray_job = write_job({**fields, "output": "out-ray", "cache": "cache-ray", "executor": "ray",
@@ -71,8 +74,8 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
         result = run_cli("run", str(job), env=ONE_THREAD)
         assert result.returncode == 0, result.stderr[-3000:]
     local, on_ray = rows(tmp_path / "out-local"), rows(tmp_path / "out-ray")
-    # 7 sample pages, a JPEG copy, a broken file, the 2 pages of the degenerate PDF: 3 tasks each
-    assert local.height == on_ray.height == 3 * 11
+    # 7 sample pages, a JPEG copy, a broken file, the 2 pages of the degenerate PDF: 4 tasks each
+    assert local.height == on_ray.height == 4 * 11
     assert on_ray.select("source", "page", "task").unique().height == on_ray.height
     assert local.equals(on_ray), differences(local, on_ray)
     # the dedupe decisions were made: an exact copy and a near copy reused, errors kept
@@ -82,6 +85,10 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
     assert any(s.endswith("receipt-reencoded.jpg") for s in reused)
     assert asked.filter(pl.col("status") == "error")["source"].str.ends_with(".pdf").all()
     assert (asked.filter(pl.col("status") == "ok")["output"].str.len_chars() > 0).all()
+    typed = [pl.read_parquet(tmp_path / o / "fields" / "flags" / "*.parquet")
+             .drop("run_id", "finished_at").sort("source", "page") for o in ("out-local", "out-ray")]
+    assert typed[0].height == asked.filter(pl.col("task") == "flags", pl.col("status") == "ok").height
+    assert typed[0].height > 0 and typed[0].equals(typed[1])
     # refused requests are error rows; the exact copy shares its original's error
     too_long = on_ray.filter(pl.col("task") == "too_long")
     chart = too_long.filter(pl.col("source").str.ends_with("/chart.jpg"))
@@ -98,7 +105,7 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
                  for o in ("out-local", "out-ray")]
     for key in ("pages_total", "pages_finished", "generated", "rejected", "failed", "cache_hits",
                 "copied", "exact_copies", "near_copies", "rows_ok", "rows_error",
-                "prompt_tokens", "output_tokens", "error_reasons"):
+                "prompt_tokens", "output_tokens", "error_reasons", "fields_rows", "retried"):
         assert summaries[0]["summary"][key] == summaries[1]["summary"][key], key
     assert summaries[1]["summary"]["rejected"] >= 5 and summaries[1]["summary"]["exact_copies"] == 1
     assert summaries[1]["config"]["executor"] == "ray" and summaries[1]["versions"]["vllm"]
@@ -111,8 +118,8 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     again = pl.read_parquet(tmp_path / "out-ray" / "results" / "*.parquet").filter(
         pl.col("attempt") == 2).sort("page", "task")
-    assert again.height == 6 and again["source"].str.ends_with("report.pdf").all()
-    assert again.filter(pl.col("page") == 2)["status"].to_list() == ["ok", "ok", "error"]
+    assert again.height == 8 and again["source"].str.ends_with("report.pdf").all()
+    assert again.filter(pl.col("page") == 2)["status"].to_list() == ["ok", "ok", "ok", "error"]
     third = again.filter(pl.col("page") == 3)
     assert third["error"].str.starts_with("timeout: the file").all()
     assert (third["error_kind"] == "transient").all()
