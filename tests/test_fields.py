@@ -202,6 +202,12 @@ def test_typed_fields_are_written_and_read_back_with_their_types(samples, write_
     total = duckdb.sql(f"SELECT sum(total) FROM read_parquet('{glob}') WHERE paid").fetchall()[0][0]
     assert total == pytest.approx(7 * 1234.5)
 
+    from vlbatch.inspect_output import inspect_output
+
+    [table] = inspect_output(tmp_path / "out")["fields"]
+    assert table["task"] == "invoice" and table["rows"] == 7
+    assert (table["columns"]["total"], table["columns"]["date"]) == ("double", "date32[day]")
+
     stats = run(job, engine)  # an identical re-run writes nothing
     assert stats.fields_rows == 0 and len(list((tmp_path / "out" / "fields" / "invoice")
                                                .glob("*.parquet"))) == 1

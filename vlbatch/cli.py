@@ -169,6 +169,9 @@ def inspect(
         for row in report["by_task"]:
             tasks.add_row(row["task"], row["status"], row["error_kind"] or "", str(row["rows"]))
         out_console.print(tasks)
+    for table in report["fields"]:
+        columns = ", ".join(f"{name} {kind}" for name, kind in table["columns"].items())
+        out_console.print(f"fields/{table['task']}: {table['rows']} rows written; {columns}")
     if report["top_errors"]:
         errors = Table(title="top error reasons", title_justify="left")
         errors.add_column("rows", justify="right")

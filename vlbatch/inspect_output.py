@@ -48,7 +48,7 @@ def inspect_output(root: Path) -> dict:
                      "rows_transient": s.get("rows_transient"), "seconds": s.get("seconds"),
                      "pages_per_s": s.get("pages_per_s")})
     report: dict = {"output": str(root), "runs": runs, "rows_written": 0, "current": {},
-                    "by_task": [], "top_errors": []}
+                    "by_task": [], "top_errors": [], "fields": _fields_tables(root)}
     if not list((root / "results").glob("part-*.parquet")):
         return report
     glob = str(root / "results" / "part-*.parquet")
@@ -68,3 +68,21 @@ def inspect_output(root: Path) -> dict:
                             .sort("len", descending=True).head(10)
                             .rename({"len": "rows"}).to_dicts())
     return report
+
+
+def _fields_tables(root: Path) -> list[dict]:
+    """Each schema task's fields table: rows written and its typed columns."""
+    import pyarrow.parquet as pq
+
+    tables = []
+    for folder in sorted((root / "fields").glob("*")):
+        parts = sorted(folder.glob("part-*.parquet"))
+        if not parts:
+            continue
+        schema = pq.read_schema(parts[-1])
+        tables.append({"task": folder.name, "rows": sum(pq.ParquetFile(p).metadata.num_rows
+                                                        for p in parts),
+                       "columns": {f.name: str(f.type) for f in schema
+                                   if f.name not in ("source", "page", "task", "run_id",
+                                                     "finished_at", "content_hash")}})
+    return tables
