@@ -14,8 +14,8 @@ python3 scripts/make_pages.py /tmp/w1-pages "$PAGES" 10 > /dev/null
 for kind in schema free; do
   $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "/tmp/$kind" --answers "$kind" > /dev/null
 done
-step fields-schema 280 $B vlbatch --job /tmp/schema/job.yaml --fresh
-step fields-free 280 $B vlbatch --job /tmp/free/job.yaml --fresh
+step fields-schema 250 $B vlbatch --job /tmp/schema/job.yaml --fresh
+step fields-free 250 $B vlbatch --job /tmp/free/job.yaml --fresh
 python3 - <<'PY' | tee "$OUT/fields-table.txt"
 import glob, polars as pl
 parts = glob.glob("/tmp/schema/out/fields/invoice/*.parquet")
