@@ -126,6 +126,8 @@ def test_schema_answers_are_reviewed():
     request = Request("r", None, "p", Task(name="free", prompt="p"))
     assert review(request, Completion("r", "la " * 40, finish_reason="length")) == DEGENERATE
     assert review(request, Completion("r", "la " * 40, finish_reason="stop")) is None
+    forced = Request("r", None, "p", Task(name="bench", prompt="p", ignore_eos=True))
+    assert review(forced, Completion("r", "la " * 40, finish_reason="length")) is None
 
 
 def test_the_engine_loop_generates_a_failed_answer_once_more_with_the_retry_settings():

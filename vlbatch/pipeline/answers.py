@@ -8,7 +8,8 @@ more (engine/loop.py; the retry uses the task's `retry_repetition_penalty`):
                        validate (jsonschema, formats checked), or a value does not fit its
                        typed column (a date that is no date, an integer beyond int64)
     degenerate output  an answer that ran into max_tokens with a repeating tail (OCR-style
-                       models loop on a phrase, a table row, whitespace)
+                       models loop on a phrase, a table row, whitespace); not checked for
+                       tasks with ignore_eos (they ask for max_tokens whatever comes)
 
 If the retry fails too the row is an error row with that reason, its text in
 `error_output`.
@@ -56,7 +57,8 @@ def review(request: Request, done: Completion) -> str | None:
         return None
     if request.task.answer_schema is not None:
         return schema_problem(request.task, done.text, done.finish_reason)
-    if done.finish_reason == "length" and repeating_tail(done.text):
+    # ignore_eos asks for max_tokens whatever comes (benchmarks): a loop is no failure there
+    if done.finish_reason == "length" and not request.task.ignore_eos and repeating_tail(done.text):
         return DEGENERATE
     return None
 
