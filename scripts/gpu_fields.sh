@@ -9,13 +9,12 @@ source "$(dirname "$0")/gpu_common.sh"
 PAGES=${1:-200}
 python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" > /dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import vllm, torch, xgrammar, jsonschema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'xgrammar', xgrammar.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "import vllm, torch, importlib.metadata as m; print('vllm', vllm.__version__, 'torch', torch.__version__, 'xgrammar', m.version('xgrammar'))" | tee -a "$OUT/gpu.txt"
 python3 scripts/make_pages.py /tmp/w1-pages "$PAGES" 10 > /dev/null
-for kind in schema free; do
+for kind in ${KINDS:-schema free}; do  # KINDS=schema: the schema run only
   $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "/tmp/$kind" --answers "$kind" > /dev/null
+  step "fields-$kind" 250 $B vlbatch --job "/tmp/$kind/job.yaml" --fresh
 done
-step fields-schema 250 $B vlbatch --job /tmp/schema/job.yaml --fresh
-step fields-free 250 $B vlbatch --job /tmp/free/job.yaml --fresh
 python3 - <<'PY' | tee "$OUT/fields-table.txt"
 import glob, polars as pl
 parts = glob.glob("/tmp/schema/out/fields/invoice/*.parquet")
@@ -26,6 +25,9 @@ if parts:
     print(df.select("vendor", "total", "date", "paid", "currency").head(5))
 res = pl.read_parquet("/tmp/schema/out/results/*.parquet")
 print(res.group_by("status", "finish_reason", "attempt").len().sort("len", descending=True))
+print(res.group_by(pl.col("error").str.slice(0, 60)).len().sort("len", descending=True).head(8))
+print(res.filter(pl.col("status") == "ok").select("output").head(3))
+print(res.filter(pl.col("status") == "error").select("error_output").head(3))
 print(res.select(pl.col("output_tokens").mean().alias("mean output tokens")))
 PY
 for f in "$OUT"/fields-*.json; do python3 -c "import json; d=json.load(open('$f')); print('$(basename $f)', {k: d.get(k) for k in ('pages','pages_per_s','generation_s','engine_start_s','output_tokens','output_tokens_per_s','rows_ok','rows_error','retried','bad_answers','fields_rows','gpu_busy_pct','errors')})"; done
