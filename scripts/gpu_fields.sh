@@ -4,6 +4,12 @@
 # without its schema; each run its own process and engine, the same pages.
 #   bash scripts/gpu_fields.sh [PAGES]      (default 200 W1 pages)
 # Results as JSON under $OUT (fields-*.json), the fields table's schema in fields-table.txt.
+# The bundle (../shared/device/fetch-vllm.sh) needs, beyond vLLM's own set: EXTRA_PKGS=
+#   "pymupdf==1.28.2 polars==2.1.0 polars-runtime-32==2.1.0 diskcache==5.6.3 imagehash==4.3.2
+#   pywavelets==1.10.0 pebble==5.2.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+#   referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 lm-format-enforcer==0.11.3
+#   interegular==0.3.3 outlines_core==0.2.14"  (vLLM 0.26 imports the last three for every
+#   structured request, whatever the backend), PART_MB=58: two parts.
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 PAGES=${1:-200}
