@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,22 @@ def test_a_model_folder_that_does_not_exist_is_said_before_anything_runs(tmp_pat
     with pytest.raises(JobCannotRunError, match="models/y/z does not exist"):
         run_job(job("models/y/z"))
     assert not (tmp_path / "out").exists()  # nothing probed, nothing written
+
+
+def test_the_printed_json_schema_accepts_the_shipped_jobs_and_refuses_a_typo():
+    """`vlbatch schema` is what editors check job files with: it must agree with the loader."""
+    import jsonschema
+    import yaml
+
+    from conftest import ROOT, run_cli
+
+    result = run_cli("schema")
+    assert result.returncode == 0, result.stderr
+    schema = json.loads(result.stdout)
+    for name in ("demo.yaml", "invoices.yaml"):
+        jsonschema.validate(yaml.safe_load((ROOT / "jobs" / name).read_text()), schema)
+    job = yaml.safe_load((ROOT / "jobs" / "invoices.yaml").read_text())
+    job["tasks"][0]["max_tokns"] = 5
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(job, schema)
+    assert "base_dir" not in schema["properties"]

@@ -210,6 +210,14 @@ def compact(
     out_console.print(summary)
 
 
+@app.command("schema")
+def job_schema() -> None:
+    """Print the job file's JSON Schema (for editors' YAML completion and checks)."""
+    from vlbatch.job import job_json_schema
+
+    print(json.dumps(job_json_schema(), indent=2))
+
+
 def _version(value: bool) -> None:
     if value:
         from vlbatch import __version__

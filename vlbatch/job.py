@@ -311,6 +311,17 @@ class Job(_Strict):
         return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def job_json_schema() -> dict:
+    """The job file's JSON Schema, as written (aliases: `schema`), without internal fields."""
+    schema = Job.model_json_schema(by_alias=True, mode="validation")
+    schema["properties"].pop("base_dir", None)
+    task = schema["$defs"]["Task"]["properties"]
+    for name in ("schema", "fields"):  # held as JSON text; written as a mapping (or a path)
+        task[name]["anyOf"] = [{"type": "object"}, {"type": "string"}, {"type": "null"}]
+    schema["title"] = "vlbatch job file"
+    return schema
+
+
 @lru_cache(maxsize=64)
 def _cached_snapshot(repo_id: str) -> str | None:
     try:
