@@ -32,6 +32,18 @@ def demo_model():
     return build_tiny_model(ROOT / "models" / "tiny-qwen3-vl")
 
 
+def prometheus_samples(path) -> dict:
+    """The textfile as Prometheus parses it: (name, labels other than job alone) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(path.read_text()):
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            samples[(sample.name, () if len(labels) == 1 else labels)] = sample.value
+    return samples
+
+
 def expected_pages(folder) -> int:
     pages = 0
     for path in folder.iterdir():
@@ -42,7 +54,7 @@ def expected_pages(folder) -> int:
 def test_demo_job_end_to_end(demo_model, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     result = run_cli("run", str(ROOT / "jobs" / "demo.yaml"), "--output", str(out),
-                     "--cache-dir", str(cache))
+                     "--cache-dir", str(cache), "--metrics-file", str(tmp_path / "demo.prom"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pages/s" in result.stdout and "Traceback" not in result.stderr
     # no terminal (cron): stderr is vlbatch's one-line, ISO-dated log lines and nothing else
@@ -73,6 +85,10 @@ def test_demo_job_end_to_end(demo_model, tmp_path):
     assert report["text_layer"].str.contains("sample report").all()
     manifest = json.loads(next((out / "_runs").glob("*.json")).read_text())
     assert manifest["summary"]["rows_ok"] == ok.height and manifest["versions"]["vllm"]
+    metrics = prometheus_samples(tmp_path / "demo.prom")
+    assert metrics[("vlbatch_last_run_success", ())] == 1
+    assert metrics[("vlbatch_last_run_rows", (("job", "demo"), ("status", "ok")))] == ok.height
+    assert metrics[("vlbatch_last_run_pages", ())] == pages
     assert manifest["summary"]["bad_answers"] == looped.filter(pl.col("reused_from").is_null()).height
 
     again = run_cli("run", str(ROOT / "jobs" / "demo.yaml"), "--output", str(out),
@@ -106,7 +122,12 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     assert locked.returncode == OutputLocked.exit_code == 75
     assert "another run holds" in locked.stderr and "Traceback" not in locked.stderr
 
-    nothing = run_cli("run", str(write_job(job_fields(tiny_model, ["none/*.pdf"]), "n.yaml")))
+    nothing = run_cli("run", str(write_job(job_fields(tiny_model, ["none/*.pdf"],
+                                                      metrics_file="m/n.prom"), "n.yaml")))
+    failed = prometheus_samples(tmp_path / "m" / "n.prom")  # the job's own field, beside it
+    assert failed[("vlbatch_last_run_success", ())] == 0
+    assert failed[("vlbatch_last_run_exit_code", ())] == nothing.returncode == 3
+    assert failed[("vlbatch_last_run_status", (("job", "test"), ("status", "failed")))] == 1
     assert nothing.returncode == 3 and "no inputs matched" in nothing.stderr
     missing = run_cli("run", str(write_job(job_fields(tmp_path / "no-model", ["docs/*"]), "m.yaml")))
     assert missing.returncode == 3 and "no-model does not exist" in missing.stderr

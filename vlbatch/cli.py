@@ -105,6 +105,9 @@ def run(
     retry_errors: bool = typer.Option(False, "--retry-errors",
                                       help="Generate again the rows that ended in error."),
     debug: bool = typer.Option(False, "--debug", help="Tracebacks and the engine's logs."),
+    metrics_file: Optional[str] = typer.Option(None, "--metrics-file", help="Write the run's "
+                                               "outcome in Prometheus text format (overrides "
+                                               "the job's metrics_file)."),
 ) -> None:
     """Run a job: every page x task of its inputs ends up as a row in OUTPUT/results."""
     _setup_logging(debug)
@@ -113,8 +116,12 @@ def run(
     from vlbatch.run import run_job
 
     started: list = []  # the run's stats, once it has them
+    metrics = {"path": Path(metrics_file).resolve() if metrics_file else None,
+               "job": job_file.stem}
     try:
         job = load_job(job_file, output=output, cache=cache_dir)
+        metrics["path"] = metrics["path"] or job.metrics_file
+        metrics["job"] = job.name
         with _signals_stop_the_run(), ProgressReporter(err_console) as progress:
             try:
                 stats = run_job(job, limit=limit, retry_errors=retry_errors, progress=progress,
@@ -125,10 +132,32 @@ def run(
     except (Exception, KeyboardInterrupt, RunInterrupted) as e:  # noqa: BLE001 - errors end here
         if isinstance(e, ErrorBudgetExceeded) and started:  # the run ran: say what it did
             out_console.print(summary_table(started[0]))
+        _write_metrics(metrics, e, started[0] if started else None)
         _fail(e, debug)
         return
+    _write_metrics(metrics, None, stats)
     out_console.print(summary_table(stats))
     out_console.print(f"results: {job.output / 'results'}")
+
+
+def _write_metrics(metrics: dict, error: BaseException | None, stats) -> None:
+    """The outcome for monitoring, if asked for; a failure to write it is said, not fatal."""
+    if metrics["path"] is None:
+        return
+    from vlbatch.errors import JobFileError
+    from vlbatch.metrics import metrics_text, write_metrics
+
+    if error is None:
+        code, status = 0, "finished"
+    else:
+        code = getattr(error, "exit_code", 1)
+        status = {ErrorBudgetExceeded: "error_budget_exceeded", RunInterrupted: "interrupted",
+                  JobFileError: "job_file_error"}.get(type(error), "failed")
+    try:
+        write_metrics(metrics["path"], metrics_text(metrics["job"], code, status, stats))
+    except OSError as e:
+        err_console.print(f"vlbatch: cannot write the metrics file {metrics['path']}: {e}",
+                          markup=False, highlight=False)
 
 
 @app.command()

@@ -268,6 +268,10 @@ class Job(_Strict):
                                  description="Tenants sharing a cache folder share nothing: "
                                  "answers, pages and the dedupe index live in "
                                  "CACHE/<namespace>/.")
+    metrics_file: Path | None = Field(default=None, description="Write the run's outcome "
+                                      "here in Prometheus text format (node_exporter's "
+                                      "textfile collector), atomically; relative to the job "
+                                      "file. --metrics-file overrides it.")
     executor: Literal["local", "ray"] = Field(default="local", description="ray: render and "
                                               "generate on a Ray cluster.")
     ray: RaySettings = RaySettings()
@@ -368,6 +372,8 @@ def load_job(path: str | Path, *, output: str | None = None, cache: str | None =
         "output": Path(output).resolve() if output else (base / job.output).resolve(),
         "cache": Path(cache).resolve() if cache else (base / job.cache).resolve(),
     }
+    if job.metrics_file is not None:
+        updates["metrics_file"] = (base / job.metrics_file).resolve()
     if job.engine.compile_cache_dir is not None:
         updates["engine"] = job.engine.model_copy(
             update={"compile_cache_dir": (base / job.engine.compile_cache_dir).resolve()})
