@@ -74,6 +74,8 @@ def _fields_tables(root: Path) -> list[dict]:
     """Each schema task's fields table: rows written and its typed columns."""
     import pyarrow.parquet as pq
 
+    from vlbatch.answer_schema import KEY_COLUMNS
+
     tables = []
     for folder in sorted((root / "fields").glob("*")):
         parts = sorted(folder.glob("part-*.parquet"))
@@ -83,6 +85,5 @@ def _fields_tables(root: Path) -> list[dict]:
         tables.append({"task": folder.name, "rows": sum(pq.ParquetFile(p).metadata.num_rows
                                                         for p in parts),
                        "columns": {f.name: str(f.type) for f in schema
-                                   if f.name not in ("source", "page", "task", "run_id",
-                                                     "finished_at", "content_hash")}})
+                                   if f.name not in KEY_COLUMNS}})
     return tables

@@ -46,7 +46,6 @@ class EngineLoop:
         self.restart, self.on_down, self.review = restart, on_down, review
         self.retries: deque[Request] = deque()  # to the engine before the inbox (its thread)
         self.retrying: dict[str, Request] = {}  # retry id -> the retry, until answered
-        self.retried = 0  # answers generated once more
         self.restarts = 0
         self.inbox: queue.Queue = queue.Queue(maxsize=max_waiting)
         self.waiting: dict[str, tuple[Future, Request]] = {}  # submitted, not answered
@@ -164,7 +163,6 @@ class EngineLoop:
             again = replace(entry[1], request_id=done.request_id + RETRY_SUFFIX, retry=True)
             self.retrying[again.request_id] = again
             self.retries.append(again)
-            self.retried += 1
             return None
         return Completion(done.request_id, None, problem, done.prompt_tokens, done.output_tokens,
                           finish_reason=done.finish_reason, tries=2, error_output=done.text)
@@ -174,11 +172,11 @@ class EngineLoop:
         while self.retries:
             retry = self.retries.popleft()
             self.retrying.pop(retry.request_id, None)
+            request_id = retry.request_id.removesuffix(RETRY_SUFFIX)
             with self.lock:
-                entry = self.waiting.pop(retry.request_id.removesuffix(RETRY_SUFFIX), None)
+                entry = self.waiting.pop(request_id, None)
             if entry is not None:
-                entry[0].set_result(Completion(retry.request_id.removesuffix(RETRY_SUFFIX),
-                                               None, "engine closed before a retry", tries=1))
+                entry[0].set_result(Completion(request_id, None, "engine closed before a retry"))
 
     def _fail_waiting(self) -> None:
         with self.lock:

@@ -64,22 +64,27 @@ def review(request: Request, done: Completion) -> str | None:
 
 
 def schema_problem(task: Task, text: str, finish_reason: str | None) -> str | None:
+    return checked_fields(task, text, finish_reason)[1]
+
+
+def checked_fields(task: Task, text: str,
+                   finish_reason: str | None) -> tuple[dict | None, str | None]:
+    """A schema task's answer as its typed values, or why it has none (a `schema:` reason)."""
     if finish_reason == "length":
         looped = ", its tail repeating" if repeating_tail(text) else ""
-        return f"schema: answer cut at max_tokens ({task.max_tokens}){looped}"
+        return None, f"schema: answer cut at max_tokens ({task.max_tokens}){looped}"
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        return f"schema: not JSON ({e})"
+        return None, f"schema: not JSON ({e})"
     error = _best_error(_validator(task), value)
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path)
-        return f"schema: {'field ' + repr(where) + ': ' if where else ''}{error.message}"[:500]
+        return None, f"schema: {'field ' + repr(where) + ': ' if where else ''}{error.message}"[:500]
     try:
-        typed_fields(task, value)
+        return typed_fields(task, value), None
     except FieldProblem as e:
-        return f"schema: {e}"
-    return None
+        return None, f"schema: {e}"
 
 
 def _best_error(validator, value):

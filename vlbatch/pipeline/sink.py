@@ -9,14 +9,13 @@ routed or answered gets error rows with the reason (`fail_unseen`, `fail_pending
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from vlbatch.engine.base import Completion
-from vlbatch.pipeline.answers import fields_schema, schema_problem, typed_fields
+from vlbatch.pipeline.answers import checked_fields, fields_schema
 from vlbatch.job import Job, Task
 from vlbatch.pipeline.ingest import RenderedPage
 from vlbatch.pipeline.failures import error_kind
@@ -273,14 +272,14 @@ class RunSink:
         """The typed row of an ok answer of a schema task; (error, its text) when the answer
         does not fit (checked when generated; an answer from a cache or a copy is checked
         here again)."""
-        problem = schema_problem(row.task, output or "", None)
+        values, problem = checked_fields(row.task, output or "", None)
         if problem is not None:
             return problem, output
         unit = row.unit
         self.fields[row.task.name].add(dict(
             source=unit.source.abs_path, page=unit.page, task=row.task.name,
             run_id=self.stats.run_id, finished_at=finished_at, content_hash=row.hashes[0],
-            **typed_fields(row.task, json.loads(output))))
+            **values))
         self.stats.fields_rows += 1
         return None, None
 
