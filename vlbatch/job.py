@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -272,6 +273,12 @@ class Job(_Strict):
                                       "here in Prometheus text format (node_exporter's "
                                       "textfile collector), atomically; relative to the job "
                                       "file. --metrics-file overrides it.")
+    report: bool = Field(default=True, description="Write OUTPUT/_runs/<run_id>.html at the "
+                         "end of every run (`vlbatch report` writes it for any run).")
+    cost_per_gpu_hour: float | None = Field(default=None, ge=0, description="What one GPU "
+                                            "costs an hour (any currency): the summary, "
+                                            "manifest and report add the run's cost and its "
+                                            "cost per million pages.")
     executor: Literal["local", "ray"] = Field(default="local", description="ray: render and "
                                               "generate on a Ray cluster.")
     ray: RaySettings = RaySettings()
@@ -309,6 +316,15 @@ class Job(_Strict):
         if local.exists():
             return str(local.resolve())
         return _cached_snapshot(self.model) or self.model
+
+    def gpus(self) -> int:
+        """GPUs the job's engines hold: tensor_parallel_size each, one engine locally,
+        `ray.workers` on Ray (their `gpus_per_worker`, rounded up, where given)."""
+        if self.executor != "ray":
+            return self.engine.tensor_parallel_size
+        per = self.ray.gpus_per_worker
+        per = self.engine.tensor_parallel_size if per is None else per
+        return math.ceil(self.ray.workers * per)
 
     def config_hash(self) -> str:
         dumped = self.model_dump(mode="json", exclude={"base_dir"})

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from vlbatch.cost import cost_rows
 from vlbatch.pipeline.sink import RunStats
 
 log = logging.getLogger("vlbatch")
@@ -100,6 +101,7 @@ def summary_table(s: RunStats) -> Table:
         ("pages/s while generating", "-" if not s.generation_s else
          f"{s.pages_finished / s.generation_s:.2f}"),
     ]
+    rows += cost_rows(s)
     for name, value in rows:
         table.add_row(name, str(value))
     if s.error_reasons:

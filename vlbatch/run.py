@@ -9,6 +9,7 @@ See docs/architecture.md for the stages, what flows between them and where each 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 
 from vlbatch import __version__
+from vlbatch.cost import add_cost
 from vlbatch.engine.base import GenerationEngine
 from vlbatch.engine.vllm_engine import start_vllm_engine
 from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError, RunInterrupted
@@ -30,6 +32,7 @@ from vlbatch.pipeline.workers import default_workers
 from vlbatch.pipeline.write import OutputFolder
 
 ProgressCallback = Callable[[RunStats], None]
+log = logging.getLogger("vlbatch")
 
 
 def new_run_id() -> str:
@@ -157,15 +160,31 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             lap("finish_s")
             stats.seconds = round(time.monotonic() - started, 2)
             stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
+            add_cost(job, stats, stats.engine_start_s is not None)
             manifest = _manifest(job, stats, status, plan, sink.engine_version, limit,
                                  retry_errors)
-            manifest["reason"] = reason
+            manifest.update(reason=reason, timeline=sink.timeline.as_dict(),
+                            slowest_files=sink.file_log.slowest())
             output.write_manifest(run_id, manifest)
+            if job.report:
+                _write_report(output, run_id)
     if closing_error is not None:
         raise closing_error
     if budget_error is not None:
         raise budget_error
     return stats
+
+
+def _write_report(output: OutputFolder, run_id: str) -> None:
+    """The run's HTML report beside its manifest. A report that cannot be made is said in
+    the log; the run's outcome stays what it was."""
+    from vlbatch.run_report import write_report
+
+    try:
+        path = write_report(output.root, run_id)
+        log.info("report: %s", path)
+    except Exception as e:  # noqa: BLE001 - the report is never worth a failed night
+        log.warning("run report not written: %s", str(e) or type(e).__name__)
 
 
 def _over_error_budget(job: Job, stats: RunStats) -> ErrorBudgetExceeded | None:

@@ -23,6 +23,7 @@ from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key
 from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
+from vlbatch.pipeline.runlog import FileLog, Timeline
 from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, History, OutputFolder, PartWriter
 
 log = logging.getLogger("vlbatch")
@@ -64,6 +65,13 @@ class RunStats:
     generation_s: float | None = None  # from engine ready to the last answer
     seconds: float = 0.0
     pages_per_s: float = 0.0
+    # what the run cost (cost.py): its wall time x the GPUs its engines held
+    gpus: int = 0  # 0: no engine started (every answer came from the caches)
+    gpu_hours: float = 0.0
+    pages_per_gpu_hour: float | None = None
+    cost_per_gpu_hour: float | None = None  # the job's, when it gives one
+    cost: float | None = None
+    cost_per_million_pages: float | None = None
     error_reasons: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
@@ -138,6 +146,8 @@ class RunSink:
         self.error_pages: set[int] = set()
         self.history = History.of()  # what earlier runs left: the attempts made so far
         self.task_hashes = task_hashes(job)
+        self.timeline = Timeline()  # for the run report (runlog.py)
+        self.file_log = FileLog()
 
     # ----- what the executors call -----
     def expect(self, units: Iterable[PageUnit]) -> None:
@@ -145,11 +155,15 @@ class RunSink:
             self.unseen[unit.order] = unit
             self.tasks_left[unit.order] = len(unit.tasks)
             self.stats.requests_total += len(unit.tasks)
+        self._sample(force=True)
 
     def page_failed(self, unit: PageUnit, failure: RenderFailure) -> None:
         if unit.order not in self.unseen:  # already accounted for (fail_unseen got there first)
             return
         self._page_row(unit, None, failure.page_error)
+        figures = self.file_log.of(unit.source.abs_path)
+        figures.pages += 1
+        figures.render_s += failure.cost_s
         for task in unit.tasks:
             self._row(_Row(unit, task, (None, None)), error=failure.row_error)
 
@@ -162,6 +176,9 @@ class RunSink:
         s.cache_corrupt += page.healed
         s.exact_copies += routed.relation == "exact"
         s.near_copies += routed.relation == "near"
+        figures = self.file_log.of(unit.source.abs_path)
+        figures.pages += 1
+        figures.render_s += page.render_s
         hashes = (page.content_hash, page.phash)
         for route in routed.tasks:
             row = _Row(unit, route.task, hashes)
@@ -176,6 +193,7 @@ class RunSink:
                     self.book.wait(route.key, row, route.origin)
                 else:
                     self._copy_row(row, answer, route.origin)
+        self._sample()
 
     def completed(self, done: Completion) -> None:
         """An answer (or error) for a request in flight; its copies get it too."""
@@ -194,6 +212,7 @@ class RunSink:
         s.retried += done.tries > 1
         s.prompt_tokens += done.prompt_tokens or 0
         s.output_tokens += done.output_tokens or 0
+        self.file_log.of(row.unit.source.abs_path).output_tokens += done.output_tokens or 0
         self._answer_row(row, done, None, cached=False)
         for copy, origin in self.book.answer(done.request_id, row.unit.ref, done):
             self._copy_row(copy, done, origin)
@@ -212,6 +231,7 @@ class RunSink:
             self.page_failed(unit, RenderFailure(reason, reason))
 
     def close(self) -> None:
+        self._sample(force=True)
         self.results.flush()  # the pages and fields with it
 
     def _flush_pages_and_fields(self) -> None:
@@ -257,6 +277,7 @@ class RunSink:
         else:
             s.rows_error += 1
             s.rows_transient += kind == "transient"
+            self.file_log.of(unit.source.abs_path).rows_error += 1
             self.error_pages.add(unit.order)
             s.pages_with_errors = len(self.error_pages)
             reason = error.split(":")[0][:80]
@@ -265,7 +286,13 @@ class RunSink:
         if self.tasks_left[unit.order] == 0:
             s.pages_finished += 1
         s.requests_finished += 1
+        self._sample()
         self.progress(s)
+
+    def _sample(self, force: bool = False) -> None:
+        s = self.stats
+        self.timeline.sample(s.pages_finished, s.requests_finished, len(self.pending),
+                             s.output_tokens, s.rows_error, force)
 
     def _fields_row(self, row: _Row, output: str | None,
                     finished_at: datetime) -> tuple[str | None, str | None]:

@@ -200,7 +200,7 @@ class OutputFolder:
         `vlbatch compact` left beside the live folders (only with the lock held: no live
         run is writing them)."""
         stale = [*self.results.glob(".part-*.tmp"), *self.pages.glob(".part-*.tmp"),
-                 *self.fields.glob("*/.part-*.tmp"), *self.runs.glob(".*.json.tmp")]
+                 *self.fields.glob("*/.part-*.tmp"), *self.runs.glob(".*.tmp")]
         for path in stale:
             path.unlink(missing_ok=True)
         compactions = [*self.root.glob(".*.compact*"), *self.fields.glob(".*.compact*")]
