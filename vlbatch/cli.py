@@ -239,6 +239,63 @@ def compact(
     out_console.print(summary)
 
 
+@app.command()
+def report(
+    output: Path = typer.Argument(..., help="An output folder of vlbatch run."),
+    run_id: Optional[str] = typer.Option(None, "--run", help="The run (default: the newest)."),
+) -> None:
+    """Write a run's HTML report, OUTPUT/_runs/<run_id>.html (runs write their own at the
+    end; this makes it again, or for runs from before reports)."""
+    _setup_logging(False)
+    from vlbatch.run_report import write_report
+
+    try:
+        path = write_report(output, run_id)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    out_console.print(f"report: {path}")
+
+
+@app.command()
+def plan(
+    job_file: Path = typer.Argument(..., help="The job YAML."),
+    output: Optional[str] = typer.Option(None, "--output", help="Output folder (overrides the job's)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1,
+                                        help="Only the first N pages, as `run --limit`."),
+    retry_errors: bool = typer.Option(False, "--retry-errors", help="As `run --retry-errors`."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+) -> None:
+    """Validate a job and show what `vlbatch run` would do now (inputs, pages, pages already
+    done, requests, estimated tokens and time), without starting the engine or writing."""
+    _setup_logging(False)
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from vlbatch.dry_run import plan_job, plan_rows
+    from vlbatch.job import load_job
+    from vlbatch.run import default_prompts
+
+    try:
+        job = load_job(job_file, output=output)
+        the_plan = plan_job(job, limit=limit, retry_errors=retry_errors,
+                            prompts_factory=default_prompts)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    if as_json:
+        print(json.dumps(asdict(the_plan), indent=2))
+        return
+    table = Table(title=f"plan of {job.name} into {job.output}", title_justify="left",
+                  show_header=False)
+    table.add_column("")
+    table.add_column("", overflow="fold")
+    for what, figure in plan_rows(the_plan):
+        table.add_row(what, figure)
+    out_console.print(table)
+
+
 @app.command("schema")
 def job_schema() -> None:
     """Print the job file's JSON Schema (for editors' YAML completion and checks)."""

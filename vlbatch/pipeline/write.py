@@ -153,12 +153,15 @@ def fsync_folder(path: Path) -> None:
 
 
 class OutputFolder:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, create: bool = True):
+        """create=False: an existing output, read only (`vlbatch plan`); nothing is made."""
         self.root = Path(root)
         self.results = self.root / "results"
         self.pages = self.root / "pages"
         self.runs = self.root / "_runs"
         self.fields = self.root / "fields"
+        if not create:
+            return
         try:
             for folder in (self.root, self.results, self.pages, self.runs):
                 failing = folder
