@@ -13,7 +13,6 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job
