@@ -138,6 +138,7 @@ def test_the_report_is_written_at_the_end_of_the_run(night):
 
 
 def _chromium(*args: str, page: Path) -> subprocess.CompletedProcess:
+    assert CHROMIUM is not None, "VLBATCH_REQUIRE_BROWSER=1 but no chromium on PATH"
     return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
                            "--hide-scrollbars", "--enable-logging=stderr", "--v=0",
                            "--virtual-time-budget=5000", *args, page.as_uri()],
