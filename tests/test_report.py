@@ -250,3 +250,37 @@ def test_the_timeline_keeps_a_bounded_number_of_samples():
     times = [r[0] for r in rows]
     assert times == sorted(times) and max(b - a for a, b in zip(times, times[1:])) <= 256
     assert timeline.interval_s == 128.0
+
+
+def test_no_report_when_turned_off_and_a_report_failure_is_not_a_failed_run(
+        samples, write_job, tmp_path, caplog, monkeypatch):
+    from fakes import FakeEngine, fake_prompts
+
+    from vlbatch.job import load_job
+    from vlbatch.run import run_job
+
+    def run(fields, output):
+        job = load_job(write_job(fields), output=str(tmp_path / output))
+        return run_job(job, engine_factory=lambda job, prompts: FakeEngine(),
+                       prompts_factory=fake_prompts)
+
+    stats = run(job_fields("fake-model", [f"{samples}/*"], report=False), "quiet")
+    assert stats.rows_ok == 14 and stats.gpus == 1 and stats.cost is None
+    assert list((tmp_path / "quiet" / "_runs").glob("*.html")) == []
+
+    # every answer from the result cache: no engine started, no GPU-hours, nothing to pay
+    stats = run(job_fields("fake-model", [f"{samples}/*"], cost_per_gpu_hour=3.0), "cached")
+    assert stats.cache_hits == 14 and (stats.gpus, stats.gpu_hours, stats.cost) == (0, 0.0, 0.0)
+    [html] = (tmp_path / "cached" / "_runs").glob("*.html")
+    assert "cost per million pages" in html.read_text()
+
+    import vlbatch.run_report.page as page  # a report that fails to draw
+
+    monkeypatch.setattr(page, "render_page",
+                        lambda data: (_ for _ in ()).throw(RuntimeError("plot failed")))
+    with caplog.at_level("WARNING", logger="vlbatch"):
+        stats = run(job_fields("fake-model", [f"{samples}/*"], result_cache=False), "failing")
+    assert stats.rows_ok == 14 and "run report not written: plot failed" in caplog.text
+    runs = tmp_path / "failing" / "_runs"
+    assert len(list(runs.glob("*.json"))) == 1 and not list(runs.glob("*.html"))
+    assert not list(runs.glob(".*.tmp"))
