@@ -173,6 +173,50 @@ def test_prompt_token_count_equals_vllm_count(tiny_model, write_job, tmp_path):
     assert sorted(o.request_id for o in outputs) == sorted(done)
 
 
+def test_the_generation_warm_up_runs_in_engine_start_and_leaves_answers_unchanged(
+        tiny_model, write_job, monkeypatch):
+    """engine.warmup_pages: random-pixel pages generated (a few tokens) before the run's;
+    greedy answers of the same requests are the same with and without it."""
+    import vllm
+    from PIL import Image
+
+    from vlbatch.engine.base import Request
+    from vlbatch.engine.vllm_engine import WARMUP_TOKENS, VllmEngine
+    from vlbatch.pipeline.imaging import fit_to_budget
+
+    generated = []
+    original = vllm.LLM.generate
+
+    def recorded(self, prompts, *args, **kwargs):
+        outputs = original(self, prompts, *args, **kwargs)
+        generated.extend(outputs)
+        return outputs
+
+    monkeypatch.setattr(vllm.LLM, "generate", recorded)
+    answers = {}
+    for pages in (3, None):  # None: the default, none on the CPU build
+        fields = job_fields(tiny_model, ["*.pdf"])
+        if pages is not None:
+            fields["engine"]["warmup_pages"] = pages
+        job = load_job(write_job(fields))
+        engine = VllmEngine(job)
+        try:
+            requests = [Request(f"{i}-{task.name}", fit_to_budget(
+                Image.new("RGB", (600, 800), (i * 60, 90, 200)), job.render.min_pixels,
+                job.render.max_pixels), task.render_prompt(text_layer=""), task)
+                for i in range(3) for task in job.tasks]
+            answers[pages] = {c.request_id: (c.text, c.output_tokens, c.error)
+                              for c in engine.generate(iter(requests))}
+        finally:
+            engine.close()
+        if pages:  # engine start generated them: WARMUP_TOKENS each, nothing kept
+            assert len(generated) == 3 and engine.warm_up_seconds > 0
+            assert all(len(o.outputs[0].token_ids) == WARMUP_TOKENS for o in generated)
+            assert all(len(o.prompt_token_ids) > 100 for o in generated)  # page-sized images
+    assert len(generated) == 3  # none more by default here
+    assert answers[3] == answers[None] and all(e is None for _, _, e in answers[None].values())
+
+
 def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, write_job, tmp_path):
     """A hub id whose snapshot is in the local Hugging Face cache runs with no network."""
     import os

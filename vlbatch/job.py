@@ -215,6 +215,11 @@ class EngineSettings(_Strict):
     compile_cache_dir: Path | None = Field(default=None, description="vLLM's cache root "
                                            "(compiled graphs); None: ~/.cache/vllm.")
     trust_remote_code: bool = False
+    warmup_pages: int | None = Field(default=None, ge=0, description="Random-pixel page "
+                                     "requests generated (a few tokens each) as part of engine "
+                                     "start, so the GPU's first-step kernel compiles happen "
+                                     "before the run's pages; None: 16 on a GPU, 0 on the CPU "
+                                     "build. Nothing of them is kept.")
     frontend_threads: int = Field(default=4, ge=0, description="Threads that run vLLM's input "
                                   "processing (the HF processor, hashing) for page requests, "
                                   "off the thread that steps the engine; 0: on that thread, as "

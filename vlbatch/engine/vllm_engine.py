@@ -22,6 +22,8 @@ from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job, Task
 
 log = logging.getLogger("vlbatch")
+GPU_WARMUP_PAGES = 16  # engine.warmup_pages' default on a GPU (as raw's 16-page warm-up)
+WARMUP_TOKENS = 8  # generated for each warm-up page: prefill and a few decode steps
 IDLE_WAIT_S = 0.005  # nothing in flight and nothing ready: how long to wait before asking again
 
 
@@ -95,10 +97,49 @@ class VllmEngine:
             raise JobCannotRunError(f"engine failed to start ({type(e).__name__}): {reason}") from e
         self.version = __import__("vllm").__version__
         self.warm_up_seconds = self.warm_up_input_processing()
+        gpu = not current_platform.is_cpu()
+        pages = job.engine.warmup_pages
+        self.warm_up_seconds += self.warm_up_generation(
+            (GPU_WARMUP_PAGES if gpu else 0) if pages is None else pages)
         self.start_seconds = time.monotonic() - started
         log.debug("vLLM %s started in %.1f s (torch threads %d, OMP_NUM_THREADS %s)", self.version,
                   self.start_seconds, __import__("torch").get_num_threads(),
                   os.environ.get("OMP_NUM_THREADS"))
+
+    def _random_page_request(self, request_id: str) -> Request:
+        """A page-sized request of random pixels: no real page can share its hash, so no
+        cache of vLLM's (processor, encoder, prefix) ever stands in for a real page."""
+        from PIL import Image
+
+        from vlbatch.pipeline.imaging import fit_to_budget
+
+        r, task = self.job.render, self.job.tasks[0]
+        w, h = 1240, 1754  # an A4 page at 150 dpi
+        image = fit_to_budget(Image.frombytes("RGB", (w, h), os.urandom(w * h * 3)),
+                              r.min_pixels, r.max_pixels)
+        return Request(request_id, image, task.render_prompt(text_layer=""), task)
+
+    def warm_up_generation(self, pages: int) -> float:
+        """Generate `pages` random-pixel requests, WARMUP_TOKENS each, and drop them; the
+        seconds it took. On a GPU the first steps of an engine JIT-compile Triton kernels
+        (the fused MoE, the vision encoder's position embedding: about 6 s on the H200, GPU
+        idle) that a user's own warm-up absorbs; here they happen in engine start, not in
+        the run's first pages. A failure only costs the warm-up."""
+        if pages <= 0:
+            return 0.0
+        from vllm import SamplingParams
+
+        started = time.monotonic()
+        params = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=0.0)
+        prompts = [self.vllm_prompt(self._random_page_request(f"vlbatch-warm-up-{i}"))
+                   for i in range(pages)]
+        try:
+            self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - e.g. a prompt over max_model_len
+            log.debug("generation warm-up: %s", e)
+        seconds = time.monotonic() - started
+        log.debug("generation warm-up of %d pages took %.1f s", pages, seconds)
+        return seconds
 
     def warm_up_input_processing(self) -> float:
         """Process one page-sized request (not added to the engine), on this thread.
@@ -109,15 +150,8 @@ class VllmEngine:
         once here, as part of engine start, the threads find it built. The image is random
         bytes: no page can share its hash, so vLLM's processor cache (which now believes the
         engine core holds it) never stands in for a real page."""
-        from PIL import Image
-
-        from vlbatch.pipeline.imaging import fit_to_budget
-
-        r, task = self.job.render, self.job.tasks[0]
-        w, h = 1240, 1754  # an A4 page at 150 dpi
-        image = fit_to_budget(Image.frombytes("RGB", (w, h), os.urandom(w * h * 3)),
-                              r.min_pixels, r.max_pixels)
-        request = Request("vlbatch-warm-up", image, task.render_prompt(text_layer=""), task)
+        request = self._random_page_request("vlbatch-warm-up")
+        task = request.task
         engine = self.llm.llm_engine
         started = time.monotonic()
         try:

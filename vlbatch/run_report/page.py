@@ -168,7 +168,7 @@ def render_page(data: RunData) -> str:
         _table(["file", "pages", "error rows", "most common reason"], by_file, {1, 2}),
         "<h2>Slowest files</h2><p class=muted>render seconds in worker processes</p>",
         _table(["file", "pages", "render s", "output tokens", "error rows"], slow, {1, 2, 3, 4}),
-        "<h2>Output tokens per page</h2>",
+        "<h2>Output tokens per request</h2>",
         _plot(plots.token_histogram(data.output_tokens), "tokens", "nothing generated"),
     ]
     if fields:
