@@ -32,7 +32,7 @@ case $STAGE in
     step raw-vllm-defaults 220 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 180 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
-  w3) step vlbatch-w3 150 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
+  w3) step vlbatch-w3 300 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
   raw-again) step raw-vllm-defaults-2 160 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
