@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job
 from vlbatch.pipeline import scope
-from vlbatch.pipeline.imaging import IMAGE_FACTOR, PageImageError, smart_resize
-from vlbatch.pipeline.plan import PageUnit
+from vlbatch.pipeline.imaging import IMAGE_FACTOR
+from vlbatch.pipeline.plan import PageUnit, image_tokens
 from vlbatch.pipeline.render import render_pool
 from vlbatch.pipeline.workers import default_workers
 from vlbatch.pipeline.write import History, OutputFolder
@@ -89,15 +89,6 @@ def plan_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
         estimated_seconds=seconds, estimate_note=estimate_note, probe_s=probe_s, notes=notes)
 
 
-def _image_tokens(unit: PageUnit, job: Job, factor: int) -> int:
-    try:
-        h, w = smart_resize(unit.height, unit.width, job.render.min_pixels,
-                            job.render.max_pixels, factor)
-    except PageImageError:
-        return 0  # rendering will say why
-    return (h // factor) * (w // factor)
-
-
 def _prompt_tokens(job: Job, todo: tuple[PageUnit, ...], prompts_factory) -> tuple[int | None, str]:
     if not todo:
         return 0, "nothing to do"
@@ -110,7 +101,7 @@ def _prompt_tokens(job: Job, todo: tuple[PageUnit, ...], prompts_factory) -> tup
     factor = getattr(prompts, "image_factor", IMAGE_FACTOR)
     total = 0
     for unit in todo:
-        image = _image_tokens(unit, job, factor)
+        image = image_tokens(unit, job.render.min_pixels, job.render.max_pixels, factor)
         for task in unit.tasks:
             text = task.render_prompt(text_layer="", source=unit.source.path, page=unit.page)
             total += image + (prompts.text_tokens(text) if prompts else len(text) // 4 + 20)

@@ -147,9 +147,8 @@ class VllmEngine:
         vLLM 0.26's offline LLM builds its multi-modal processor at the first request: 12 s
         on the H200 host, holding the GIL (docs/benchmarks.md). Several input threads
         meeting that first request at once each build it, and the run waited 67 s. Done
-        once here, as part of engine start, the threads find it built. The image is random
-        bytes: no page can share its hash, so vLLM's processor cache (which now believes the
-        engine core holds it) never stands in for a real page."""
+        once here, as part of engine start, the threads find it built (the request's random
+        pixels: `_random_page_request`)."""
         request = self._random_page_request("vlbatch-warm-up")
         task = request.task
         engine = self.llm.llm_engine

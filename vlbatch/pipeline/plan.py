@@ -75,6 +75,16 @@ def select_todo(units: Iterable[PageUnit], tasks: Iterable[Task],
     return todo
 
 
+def image_tokens(unit: PageUnit, min_pixels: int, max_pixels: int, factor: int = 32) -> int:
+    """The page's image tokens once the model's smart resize fits it to the pixel budget
+    (0 for a page that cannot be fitted: rendering will report it)."""
+    try:
+        h, w = smart_resize(unit.height, unit.width, min_pixels, max_pixels, factor)
+    except PageImageError:
+        return 0
+    return (h // factor) * (w // factor)
+
+
 def order_for_generation(units: Iterable[PageUnit], text_tokens: Callable[[str], int],
                          min_pixels: int, max_pixels: int, factor: int = 32) -> list[PageUnit]:
     """Longest first (estimated prompt tokens), input order among equals; tasks of a page
@@ -83,12 +93,8 @@ def order_for_generation(units: Iterable[PageUnit], text_tokens: Callable[[str],
     for unit in units:
         lengths = {t.name: text_tokens(t.render_prompt(text_layer="", source=unit.source.path,
                                                        page=unit.page)) for t in unit.tasks}
-        try:
-            h, w = smart_resize(unit.height, unit.width, min_pixels, max_pixels, factor)
-            image_tokens = (h // factor) * (w // factor)
-        except PageImageError:
-            image_tokens = 0  # rendering will report it
         ordered.append(dataclasses.replace(
             unit, tasks=tuple(sorted(unit.tasks, key=lambda t: -lengths[t.name])),
-            est_tokens=image_tokens + max(lengths.values())))
+            est_tokens=image_tokens(unit, min_pixels, max_pixels, factor)
+            + max(lengths.values())))
     return sorted(ordered, key=lambda u: (-u.est_tokens, u.order))

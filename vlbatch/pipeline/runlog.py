@@ -63,6 +63,12 @@ class FileLog:
             figures = self.files[source] = FileFigures()
         return figures
 
+    def page(self, source: str, render_s: float) -> None:
+        """One of the file's pages rendered (or failed), with the seconds it cost."""
+        figures = self.of(source)
+        figures.pages += 1
+        figures.render_s += render_s
+
     def slowest(self, n: int = 20) -> list[dict]:
         """The `n` files that took the most render seconds (ties: more pages first)."""
         top = sorted(self.files.items(), key=lambda kv: (-kv[1].render_s, -kv[1].pages))[:n]

@@ -161,9 +161,7 @@ class RunSink:
         if unit.order not in self.unseen:  # already accounted for (fail_unseen got there first)
             return
         self._page_row(unit, None, failure.page_error)
-        figures = self.file_log.of(unit.source.abs_path)
-        figures.pages += 1
-        figures.render_s += failure.cost_s
+        self.file_log.page(unit.source.abs_path, failure.cost_s)
         for task in unit.tasks:
             self._row(_Row(unit, task, (None, None)), error=failure.row_error)
 
@@ -176,9 +174,7 @@ class RunSink:
         s.cache_corrupt += page.healed
         s.exact_copies += routed.relation == "exact"
         s.near_copies += routed.relation == "near"
-        figures = self.file_log.of(unit.source.abs_path)
-        figures.pages += 1
-        figures.render_s += page.render_s
+        self.file_log.page(unit.source.abs_path, page.render_s)
         hashes = (page.content_hash, page.phash)
         for route in routed.tasks:
             row = _Row(unit, route.task, hashes)
