@@ -132,8 +132,10 @@ def decide(a, b, settings) -> dict:
     distance = hamming(imaging.perceptual_hash(a[0]), imaging.perceptual_hash(b[0]))
     pair = PagePair(a[0], b[0])
     (peak, ratio), marks, shift = pair.block_difference(), pair.blank_marks(), pair.ink_shift()
+    dot, dot_ratio = pair.blank_dot()
     merged = distance <= settings.max_phash_distance and same_page(a[0], b[0], a[1], b[1], settings)
     return {"phash_distance": distance, "blank_marks": round(marks, 1),
+            "blank_dot": round(dot, 1), "blank_dot_ratio": round(dot_ratio, 2),
             "ink_shift": round(shift, 2), "peak": round(peak, 1),
             "peak_ratio": round(ratio, 2), "merged": merged}
 
@@ -149,7 +151,7 @@ def main() -> None:
         row = {"kind": kind, "document": document, "case": name, **decide(a, b, settings)}
         rows.append(row)
         print(f"{document[:22]:22} {kind:6} {name:46} phash {row['phash_distance']:3d}  "
-              f"blank {row['blank_marks']:5.1f}  ink {row['ink_shift']:5.2f}  peak {row['peak']:5.1f}  ratio "
+              f"blank {row['blank_marks']:5.1f}  dot {row['blank_dot']:5.1f}/{row['blank_dot_ratio']:5.2f}  ink {row['ink_shift']:5.2f}  peak {row['peak']:5.1f}  ratio "
               f"{row['peak_ratio']:8.2f}  {'MERGED' if row['merged'] else 'kept apart'}", flush=True)
     by_case: dict[str, list] = {}
     for row in rows:

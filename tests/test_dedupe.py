@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import diskcache
 import polars as pl
@@ -121,25 +122,22 @@ def test_pixel_check_on_the_benchmark_set():
             assert not merged, name
 
 
-# the one known miss (docs/benchmarks.md): a line struck through a short number or label,
-# one side rendered at 100 dpi, is within that resolution's rendering noise
-KNOWN_MISS = "strike, PDF 150 dpi / PDF 100 dpi"
-
-
 def test_marks_keep_pages_apart_and_rerenders_merge_on_the_generated_set():
     """Every layout of the generated set, one document each: its re-renders and raster
     files at other resolutions merge; a tick, signature, stamp, struck-through line,
-    watermark or speck (the text layer unchanged) keeps the pages apart, in any forms."""
+    watermark or speck (the text layer unchanged) keeps the pages apart, in any forms.
+    Seed 2 holds the two strikes that once merged at 100 dpi: through a short number and a
+    two-letter label, where only one pixel of the line lies on paper (`blank_dot`)."""
     import dedupe_set
 
     settings, missed = Dedupe(), []
-    for kind, layout, name, a, b in dedupe_set.generated_pairs(seeds=(0,)):
+    for kind, layout, name, a, b in dedupe_set.generated_pairs(seeds=(0, 2)):
         merged = same_page(a[0], b[0], a[1], b[1], settings)
         if kind == "must":
             assert merged, (layout, name)
         elif merged:
             missed.append((layout, name))
-    assert all(name == KNOWN_MISS for _, name in missed), missed
+    assert missed == []
 
 
 def test_cache_stats_and_clear_cli(write_job, tmp_path, samples):
@@ -312,16 +310,17 @@ def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
 
 
 def test_page_hash_index_finds_what_a_scan_of_every_pair_finds():
-    """The compact index (sorted arrays, a tail merged every few thousand pages) returns
-    exactly the pages a brute-force scan finds: an equal band and within the distance."""
+    """The compact index (sorted arrays, a tail merged every few thousand pages; older pages
+    spilled to SQLite) returns exactly the pages a brute-force scan finds: an equal band and
+    within the distance, from memory and disk alike."""
     import random
 
     from vlbatch.pipeline.dedupe import hamming
     from vlbatch.pipeline.hashindex import TAIL, PageHashIndex
 
     rng = random.Random(7)
-    index, pages = PageHashIndex(), []
-    for i in range(TAIL + 1500):  # past one merge
+    merged, spilled, pages = PageHashIndex(), PageHashIndex(hot_pages=2500), []
+    for i in range(TAIL + 1500):  # past one merge, past six spills
         if pages and rng.random() < 0.3:  # a near copy of an earlier page: a few bits flipped
             value = int(rng.choice(pages)[1], 16)
             for _ in range(rng.randint(0, 30)):
@@ -332,8 +331,16 @@ def test_page_hash_index_finds_what_a_scan_of_every_pair_finds():
         if i % 97 == 0:
             expected = sorted((hamming(phash, p), c) for c, p in pages
                               if hamming(phash, p) <= 20 and set(bands(phash)) & set(bands(p)))
-            assert index.near(phash, 20) == expected
-        index.add(content, phash)
+            assert merged.near(phash, 20) == expected
+            assert spilled.near(phash, 20) == expected
+        merged.add(content, phash)
+        spilled.add(content, phash)
         pages.append((content, phash))
-    assert all(c in index for c, _ in pages[::50]) and f"{1:064x}" not in index
-    assert index.nbytes() < 400 * len(pages)  # bytes a page (the old dicts: about 6,000)
+    for index in (merged, spilled):
+        assert len(index) == len(pages)
+        assert all(c in index for c, _ in pages[::50]) and f"{1:064x}" not in index
+    assert merged.nbytes() < 400 * len(pages)  # bytes a page (the old dicts: about 6,000)
+    assert spilled.nbytes() < 400 * 2500  # memory for the hot pages only
+    folder = spilled.spilled.folder.name
+    spilled.close()
+    assert not Path(folder).exists()

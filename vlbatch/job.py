@@ -179,6 +179,13 @@ class Dedupe(_Strict):
     max_blank_mark: float = Field(default=8.0, ge=0.0, le=255.0, description="Pixel check: "
                                   "the most ink (8x8 block mean, 0-255) one page may have "
                                   "where the other is blank paper.")
+    max_blank_dot: float = Field(default=64.0, ge=0.0, le=255.0, description="Pixel check: "
+                                 "how dark (0-255) one pixel of ink may be that one page has "
+                                 "where the other is blank paper, when it stands out above "
+                                 "the rest (max_blank_dot_ratio).")
+    max_blank_dot_ratio: float = Field(default=6.0, ge=1.0, description="Pixel check: "
+                                       "how far that pixel may stand out above the 20th darkest "
+                                       "such pixel (rendering noise leaves many alike).")
     max_ink_shift_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check: how "
                                        "far the largest change of a 16x16 area's ink level may "
                                        "stand out above the 20th.")

@@ -114,6 +114,16 @@ class PagePair:
         a, b = self.arrays
         return float(_block_means(np.maximum(_marks_on_blank(a, b), _marks_on_blank(b, a))).max())
 
+    def blank_dot(self) -> tuple[float, float]:
+        """(largest, largest over the RANK-th largest) of the single pixels one page has where
+        the other is blank paper (0-255): at a coarse resolution a line struck through a
+        short label leaves one pixel on paper between its glyphs, which a block mean
+        dilutes; rendering noise leaves many small ones, nothing that stands out."""
+        if self.size is None:
+            return float("inf"), float("inf")
+        a, b = self.arrays
+        return _stand_out(np.maximum(_marks_on_blank(a, b), _marks_on_blank(b, a)))
+
     def ink_shift(self) -> float:
         """How far the most changed 16x16 area's ink (its mean level, signed: resampling
         keeps it, JPEG keeps it) stands out above the RANK-th: a line added across a few
@@ -144,6 +154,7 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
     """The pixel check, whatever the text layers say (an equal text layer says nothing of
     ticks, stamps and drawings; a different one does rule a merge out):
     - nothing on blank paper in one page that the other lacks (`PagePair.blank_marks`),
+      not even one dark pixel standing out of the noise (`PagePair.blank_dot`),
     - no area whose ink level changed more than the rest's (`PagePair.ink_shift`), and
     - no region that stands out from the rest: the largest block difference at most
       `max_peak_ratio` times the RANK-th (re-rendering noise is spread over every glyph,
@@ -152,6 +163,9 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
         return False
     pair = PagePair(a, b)
     if pair.blank_marks() > settings.max_blank_mark:
+        return False
+    dot, dot_ratio = pair.blank_dot()
+    if dot > settings.max_blank_dot and dot_ratio > settings.max_blank_dot_ratio:
         return False
     if pair.ink_shift() > settings.max_ink_shift_ratio:
         return False
@@ -180,6 +194,10 @@ class Deduper:
         # the images of the last canonical pages, for the pixel check without a cache read
         self.recent: LRUCache = LRUCache(maxsize=keep_in_memory)
         self.memo: LRUCache = LRUCache(maxsize=memo_bands)  # band -> earlier runs' members
+
+    def close(self) -> None:
+        """Removes the spilled part of this run's index (also done when collected)."""
+        self.pages.close()
 
     def _page(self, content_hash: str) -> tuple[Image.Image, str | None] | None:
         found = self.recent.get(content_hash)
