@@ -1,8 +1,9 @@
 """Memory of the two pieces of run state that grow with the corpus, measured alone with
-tracemalloc (Python allocations, numpy's included) at N pages:
+tracemalloc (Python allocations, numpy's included) and the process's resident memory
+(SQLite's and other C allocations too), each part at each N in a fresh process:
 
-- the dedupe state: a Deduper that has seen N distinct pages (its in-memory index of this
-  run's pages; the feature cache's on-disk index is not in memory);
+- the dedupe state: a Deduper that has seen N distinct pages (this run's index: the newest
+  pages in memory, older ones spilled to SQLite; the feature cache's index is on disk);
 - the done-key scan: `OutputFolder.history()` over N result rows in parts of 1,000 rows,
   peak during the scan and what the History it returns keeps.
 
@@ -12,7 +13,9 @@ tracemalloc (Python allocations, numpy's included) at N pages:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import multiprocessing
 import random
 import sys
 import tempfile
@@ -32,8 +35,25 @@ from vlbatch.pipeline.dedupe import Deduper  # noqa: E402
 from vlbatch.pipeline.write import RESULT_SCHEMA, OutputFolder  # noqa: E402
 
 
+TRACED = True
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def measure(fn):
-    """(result, peak bytes during fn, bytes still held by its result, seconds)."""
+    """(result, peak bytes during fn, bytes still held by its result, seconds); without
+    tracemalloc (TRACED false: its own bookkeeping would swell the resident memory) the
+    first two are 0 and the resident memory is the measure."""
+    gc.collect()
+    measure.rss_before = _rss_kib("VmRSS")
+    if not TRACED:
+        started = time.monotonic()
+        return fn(), 0, 0, time.monotonic() - started
     tracemalloc.start()
     started = time.monotonic()
     result = fn()
@@ -55,7 +75,25 @@ def dedupe_state(n: int) -> dict:
 
     _, peak, held, seconds = measure(fill)
     return {"part": "dedupe state", "pages": n, "seconds": round(seconds, 1),
-            "peak_mib": round(peak / 2**20, 1), "held_bytes_per_page": round(held / n)}
+            "peak_mib": round(peak / 2**20, 1), "held_bytes_per_page": round(held / n),
+            **_rss_growth()}
+
+
+def _rss_growth() -> dict:
+    """Peak resident memory over the process's before the part ran (MiB), untraced only."""
+    if TRACED:
+        return {}
+    return {"rss_growth_mib": round((_rss_kib("VmHWM") - measure.rss_before) / 1024, 1)}
+
+
+def _in_child(part, n: int, traced: bool) -> dict:
+    global TRACED
+    TRACED = traced
+    figures = part(n)
+    if not traced:  # only the resident memory and the time mean anything here
+        figures = {k: figures[k] for k in ("part", "pages", "seconds", "rss_growth_mib")}
+        figures["seconds_untraced"] = figures.pop("seconds")
+    return figures
 
 
 def results_rows(n: int, folder: Path) -> None:
@@ -78,16 +116,22 @@ def done_key_scan(n: int) -> dict:
         history, peak, held, seconds = measure(output.history)
         assert len(history.done) == n
     return {"part": "done-key scan", "pages": n, "seconds": round(seconds, 1),
-            "peak_mib": round(peak / 2**20, 1), "held_bytes_per_page": round(held / n)}
+            "peak_mib": round(peak / 2**20, 1), "held_bytes_per_page": round(held / n),
+            **_rss_growth()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pages", type=int, nargs="+", default=[10000, 100000])
     args = parser.parse_args()
+    spawn = multiprocessing.get_context("spawn")
     for n in args.pages:
         for part in (dedupe_state, done_key_scan):
-            print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), **part(n)}), flush=True)
+            figures = {}
+            for traced in (True, False):
+                with spawn.Pool(1) as pool:  # a fresh process: its peak RSS is this part's
+                    figures.update(pool.apply(_in_child, (part, n, traced)))
+            print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), **figures}), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from vlbatch.pipeline.imaging import IMAGE_FACTOR
 from vlbatch.pipeline.plan import PageUnit, image_tokens
 from vlbatch.pipeline.render import render_pool
 from vlbatch.pipeline.workers import default_workers
-from vlbatch.pipeline.write import History, OutputFolder
+from vlbatch.pipeline.history import History
+from vlbatch.pipeline.write import OutputFolder
 
 PROBE_WORKERS = 4  # at most: a plan is a quick look, not a run
 

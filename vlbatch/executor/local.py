@@ -174,6 +174,8 @@ class LocalExecutor:
                     log.debug("closing the engine: %s", e)
             for thread in threads:
                 thread.join(timeout=10)
+            if not any(thread.is_alive() for thread in threads):  # else the route thread may still read it
+                router.deduper.close()
 
     @staticmethod
     def _keep_finished(events: queue.Queue, sink: RunSink) -> None:

@@ -1,6 +1,7 @@
-"""hashindex: this run's pages by content hash and perceptual-hash band, in numpy arrays
-(about 200 bytes a page) rather than dicts of strings (about 6 KB a page), so the dedupe's
-memory stays small at 100,000 pages and beyond.
+"""hashindex: this run's pages by content hash and perceptual-hash band. The newest
+HOT_PAGES pages live in numpy arrays (about 300 bytes a page, against about 6 KB in dicts of
+strings); older ones are spilled to an SQLite file in a temporary folder, so the dedupe's
+memory stays flat at 100,000 pages and beyond.
 
 A page's 256-bit pHash is cut into 16 bands of 16 bits (`dedupe.bands`); two pages within
 Hamming distance 15 share at least one band, so the pages sharing a band with a new page are
@@ -10,10 +11,15 @@ unsorted tail, merged into the sorted part when it fills up.
 
 from __future__ import annotations
 
+import sqlite3
+import tempfile
+from pathlib import Path
+
 import numpy as np
 
 TAIL = 16384  # entries before they are merged into the sorted arrays
 BANDS = 16
+HOT_PAGES = 16384  # pages kept in memory before they are spilled to disk
 
 
 class SortedMultimap:
@@ -86,8 +92,15 @@ def _hex_words(text: str, words: int) -> np.ndarray:
     return np.frombuffer(bytes.fromhex(text.rjust(16 * words, "0")), ">u8").astype(np.uint64)
 
 
-class PageHashIndex:
-    """This run's canonical pages: their content hashes (exact copies) and pHashes (the
+def _band_keys_of(words: np.ndarray) -> np.ndarray:
+    """Each pHash's (rows of 4 words) band keys: band number << 16 | the band's 16 bits."""
+    shifts = np.arange(3, -1, -1, dtype=np.uint64) * np.uint64(16)
+    values = (words[:, :, None] >> shifts[None, None, :]) & np.uint64(0xFFFF)  # 4 words x 4 bands
+    return (np.arange(BANDS, dtype=np.uint64) << np.uint64(16)) | values.reshape(len(words), BANDS)
+
+
+class _HotPages:
+    """The newest pages, in memory: content hashes (exact copies) and pHashes (the
     candidates for near copies)."""
 
     def __init__(self):
@@ -101,9 +114,7 @@ class PageHashIndex:
 
     @staticmethod
     def _band_keys(words: np.ndarray) -> np.ndarray:
-        shifts = np.arange(3, -1, -1, dtype=np.uint64) * np.uint64(16)
-        values = (words[:, None] >> shifts[None, :]) & np.uint64(0xFFFF)  # 4 words x 4 bands
-        return (np.arange(BANDS, dtype=np.uint64) << np.uint64(16)) | values.ravel()
+        return _band_keys_of(words[None, :])[0]
 
     def add(self, content_hash: str, phash: str) -> None:
         digest = bytes.fromhex(content_hash)
@@ -133,3 +144,91 @@ class PageHashIndex:
     def nbytes(self) -> int:
         return (self.content.data.nbytes + self.phashes.data.nbytes
                 + self.by_content.nbytes() + self.by_band.nbytes())
+
+
+class _SpilledPages:
+    """Older pages in an SQLite file (its page cache is SQLite's default, about 2 MB)."""
+
+    def __init__(self, folder: str | None = None):
+        self.folder = tempfile.TemporaryDirectory(prefix="vlbatch-pages-", dir=folder)
+        self.db = sqlite3.connect(Path(self.folder.name) / "pages.sqlite", check_same_thread=False)
+        self.db.executescript(
+            "PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"
+            "CREATE TABLE pages (id INTEGER PRIMARY KEY, content BLOB UNIQUE, phash BLOB);"
+            "CREATE TABLE bands (key INTEGER, id INTEGER);"
+            "CREATE INDEX bands_key ON bands (key);")
+        self.size = 0
+
+    def add(self, hot: _HotPages) -> None:
+        """The hot pages, row by row (no list of them all in memory)."""
+        n, first = len(hot), self.size
+        keys = _band_keys_of(hot.phashes.data[:n]).astype(np.int64)  # n x BANDS
+        with self.db:
+            self.db.executemany("INSERT INTO pages VALUES (?, ?, ?)", (
+                (first + r, hot.content.data[r].tobytes(), hot.phashes.data[r].astype(">u8").tobytes())
+                for r in range(n)))
+            self.db.executemany("INSERT INTO bands VALUES (?, ?)", (
+                (int(key), first + r) for r in range(n) for key in keys[r].tolist()))
+        self.size += n
+
+    def __contains__(self, digest: bytes) -> bool:
+        return self.db.execute("SELECT 1 FROM pages WHERE content = ?", (digest,)).fetchone() is not None
+
+    def near(self, words: np.ndarray, max_distance: int) -> list[tuple[int, str]]:
+        keys = [int(k) for k in _HotPages._band_keys(words).astype(np.int64)]
+        found = self.db.execute(
+            "SELECT content, phash FROM pages WHERE id IN (SELECT id FROM bands WHERE key IN "
+            f"({','.join('?' * len(keys))}))", keys).fetchall()
+        if not found:
+            return []
+        others = np.frombuffer(b"".join(p for _, p in found), ">u8").astype(np.uint64).reshape(-1, 4)
+        distances = _popcount(others ^ words).sum(axis=1)
+        return [(int(d), c.hex()) for d, (c, _) in zip(distances, found) if d <= max_distance]
+
+    def close(self) -> None:
+        self.db.close()
+        self.folder.cleanup()
+
+
+class PageHashIndex:
+    """This run's canonical pages: the newest `hot_pages` in memory, older ones spilled to
+    an SQLite file in a temporary folder (`spill_folder`, else the system's), removed at
+    `close` or when the index is collected."""
+
+    def __init__(self, hot_pages: int = HOT_PAGES, spill_folder: str | None = None):
+        self.hot_pages, self.spill_folder = hot_pages, spill_folder
+        self.hot = _HotPages()
+        self.spilled: _SpilledPages | None = None
+
+    def __len__(self) -> int:
+        return len(self.hot) + (self.spilled.size if self.spilled else 0)
+
+    def add(self, content_hash: str, phash: str) -> None:
+        self.hot.add(content_hash, phash)
+        if len(self.hot) >= self.hot_pages:
+            if self.spilled is None:
+                self.spilled = _SpilledPages(self.spill_folder)
+            self.spilled.add(self.hot)
+            self.hot = _HotPages()
+
+    def __contains__(self, content_hash: str) -> bool:
+        if content_hash in self.hot:
+            return True
+        return self.spilled is not None and bytes.fromhex(content_hash) in self.spilled
+
+    def near(self, phash: str, max_distance: int) -> list[tuple[int, str]]:
+        """(Hamming distance, content hash) of the pages sharing a band with `phash` and
+        within `max_distance` of it, nearest first."""
+        found = self.hot.near(phash, max_distance)
+        if self.spilled is not None:
+            found = sorted(found + self.spilled.near(_hex_words(phash, 4), max_distance))
+        return found
+
+    def nbytes(self) -> int:
+        """Bytes in memory (the spilled pages are on disk)."""
+        return self.hot.nbytes()
+
+    def close(self) -> None:
+        if self.spilled is not None:
+            self.spilled.close()
+            self.spilled = None

@@ -19,7 +19,7 @@ from vlbatch.pipeline.discover import Source, discover
 from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import WorkerPool
-from vlbatch.pipeline.write import History
+from vlbatch.pipeline.history import History
 
 log = logging.getLogger("vlbatch")
 

@@ -24,7 +24,8 @@ from vlbatch.pipeline.plan import PageUnit, done_key
 from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
 from vlbatch.pipeline.runlog import FileLog, Timeline
-from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, History, OutputFolder, PartWriter
+from vlbatch.pipeline.history import History
+from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, OutputFolder, PartWriter
 
 log = logging.getLogger("vlbatch")
 

@@ -12,21 +12,21 @@ Layout (DESIGN.md):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import errno
 import fcntl
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlbatch.errors import JobCannotRunError, OutputLocked
+from vlbatch.pipeline import history
+from vlbatch.pipeline.history import History
 
 RESULT_SCHEMA = pa.schema([
     ("source", pa.string()),
@@ -67,40 +67,6 @@ PAGE_SCHEMA = pa.schema([
     ("run_id", pa.string()),
     ("matched_path", pa.string()),
 ])
-
-DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
-
-
-def key_digest(key: tuple) -> bytes:
-    """16 bytes standing for a key: what the done-key scan keeps per row (not the strings),
-    so its memory stays small at any number of rows (collision odds ~ rows^2 / 2^129)."""
-    return hashlib.blake2b("\x1f".join(map(repr, key)).encode(), digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class History:
-    """What earlier runs left, per key: finished (nothing to do) or tried and failed. Keys
-    are held as `key_digest`s; ask with the keys themselves."""
-
-    done: frozenset[bytes]
-    attempts: dict[bytes, int]  # keys whose newest row is an error: its attempt number
-    answered: frozenset[bytes] = frozenset()  # (source, page, task, file hash) with a row
-
-    @classmethod
-    def of(cls, done: Iterable[DoneKey] = ()) -> History:
-        return cls(frozenset(map(key_digest, done)), {})
-
-    def is_done(self, key: DoneKey) -> bool:
-        return key_digest(key) in self.done
-
-    def attempt(self, key: DoneKey) -> int:
-        """The attempt number of the key's newest row if it is an error, else 0."""
-        return self.attempts.get(key_digest(key), 0)
-
-    def was_answered(self, key: DoneKey) -> bool:
-        """Whether the key's page and task has a row under any settings."""
-        return key_digest(key[:4]) in self.answered
-
 
 class PartWriter:
     """Buffers rows and writes them as a new part every `max_rows` rows or `max_seconds`."""
@@ -221,36 +187,8 @@ class OutputFolder:
         return sorted((self.root / kind).glob("part-*.parquet"))
 
     def history(self, retry_errors: bool = False, max_attempts: int = 3) -> History:
-        """Each key's newest row decides: ok is done; a permanent error is done unless
-        retrying errors; a transient one is done once it used its `max_attempts` (unless
-        retrying errors). Rows written before `attempt` and `error_kind` existed count as
-        attempt 1 of a permanent error."""
-        newest: dict[bytes, tuple] = {}  # key digest -> (status, kind, attempt, time)
-        answered: set[bytes] = set()
-        columns = ["source", "page", "task", "source_sha256", "task_hash", "status",
-                   "error_kind", "attempt", "finished_at"]
-        for path in self.part_files():  # oldest first; a time settles it
-            table = pq.read_table(path, columns=columns, schema=RESULT_SCHEMA)
-            table = table.set_column(8, "finished_at", table.column(8).cast(pa.int64()))
-            for batch in table.to_batches(max_chunksize=20_000):  # bounded Python objects
-                for s, p, t, h, th, status, kind, attempt, at in zip(
-                        *(column.to_pylist() for column in batch.columns)):
-                    key = key_digest((s, p, t, h, th))
-                    answered.add(key_digest((s, p, t, h)))
-                    before = newest.get(key)
-                    if before is None or at is None or before[3] is None or at >= before[3]:
-                        newest[key] = (status == "ok", kind == "transient", attempt or 1, at)
-        done, attempts = set(), {}
-        for key, (ok, transient, attempt, _) in newest.items():
-            if ok:
-                done.add(key)
-                continue
-            attempts[key] = attempt
-            if retry_errors:
-                continue
-            if not transient or attempt >= max_attempts:
-                done.add(key)
-        return History(frozenset(done), attempts, frozenset(answered))
+        """What earlier runs left in this folder (history.scan over the result parts)."""
+        return history.scan(self.part_files(), RESULT_SCHEMA, retry_errors, max_attempts)
 
     def write_manifest(self, run_id: str, manifest: dict) -> Path:
         path = self.runs / f"{run_id}.json"

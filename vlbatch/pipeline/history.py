@@ -1,0 +1,152 @@
+"""history: what earlier runs left in an output folder, per page x task key: finished
+(nothing to do), or tried and failed (its attempt number), read from the result parts.
+
+Keys are held as 16-byte digests in sorted numpy arrays (16 bytes a key, 17 with an
+attempt number), never as Python objects: the scan of 100,000 rows holds a few MB, and
+reads each part in batches of BATCH rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
+BATCH = 20_000  # rows turned into Python objects at a time
+DIGEST = "S16"
+_OK, _TRANSIENT, _PERMANENT = 0, 1, 2
+
+
+def key_digest(key: tuple) -> bytes:
+    """16 bytes standing for a key (collision odds ~ rows^2 / 2^129)."""
+    return hashlib.blake2b("\x1f".join(map(repr, key)).encode(), digest_size=16).digest()
+
+
+class DigestTable:
+    """Sorted unique 16-byte digests, each with an optional small number."""
+
+    def __init__(self, digests: np.ndarray | None = None, values: np.ndarray | None = None):
+        self.digests = np.empty(0, DIGEST) if digests is None else digests
+        self.values = values
+
+    @classmethod
+    def of(cls, digests: Iterable[bytes]) -> DigestTable:
+        return cls(np.unique(np.array(list(digests), DIGEST)))
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def _at(self, digest: bytes) -> int | None:
+        probe = np.array(digest, DIGEST)
+        i = int(np.searchsorted(self.digests, probe))
+        if i < len(self.digests) and self.digests[i:i + 1] == probe:  # compared padded
+            return i
+        return None
+
+    def __contains__(self, digest: bytes) -> bool:
+        return self._at(digest) is not None
+
+    def get(self, digest: bytes, default: int = 0) -> int:
+        i = self._at(digest)
+        return default if i is None or self.values is None else int(self.values[i])
+
+    def nbytes(self) -> int:
+        return self.digests.nbytes + (0 if self.values is None else self.values.nbytes)
+
+
+@dataclass(frozen=True)
+class History:
+    """Ask with the keys themselves (`DoneKey`s)."""
+
+    done: DigestTable
+    attempts: DigestTable  # keys whose newest row is an error, with its attempt number
+    answered: DigestTable = field(default_factory=DigestTable)  # (source, page, task, file hash) with a row
+
+    @classmethod
+    def of(cls, done: Iterable[DoneKey] = ()) -> History:
+        return cls(DigestTable.of(map(key_digest, done)), DigestTable())
+
+    def is_done(self, key: DoneKey) -> bool:
+        return key_digest(key) in self.done
+
+    def attempt(self, key: DoneKey) -> int:
+        """The attempt number of the key's newest row if it is an error, else 0."""
+        return self.attempts.get(key_digest(key), 0)
+
+    def was_answered(self, key: DoneKey) -> bool:
+        """Whether the key's page and task has a row under any settings."""
+        return key_digest(key[:4]) in self.answered
+
+    def nbytes(self) -> int:
+        return self.done.nbytes() + self.attempts.nbytes() + self.answered.nbytes()
+
+
+class _Columns:
+    """Growing numpy columns of the rows scanned (about 50 bytes a row)."""
+
+    def __init__(self):
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, *columns: np.ndarray) -> None:
+        self.parts.append(columns)
+
+    def joined(self) -> tuple[np.ndarray, ...]:
+        if not self.parts:
+            return (np.empty(0, DIGEST), np.empty(0, DIGEST), np.empty(0, np.uint8),
+                    np.empty(0, np.uint16), np.empty(0, np.int64))
+        joined = tuple(np.concatenate(c) for c in zip(*self.parts))
+        self.parts = []
+        return joined
+
+
+COLUMNS = ["source", "page", "task", "source_sha256", "task_hash", "status", "error_kind",
+           "attempt", "finished_at"]
+
+
+def scan(parts: Iterable[Path], schema: pa.Schema, retry_errors: bool = False,
+         max_attempts: int = 3) -> History:
+    """Each key's newest row decides: ok is done; a permanent error is done unless retrying
+    errors; a transient one is done once it used its `max_attempts` (unless retrying
+    errors). Rows written before `attempt` and `error_kind` existed count as attempt 1 of
+    a permanent error. Newest: the latest `finished_at`; a row without one is newer than
+    every row before it (parts oldest first, rows in order)."""
+    rows = _Columns()
+    latest = np.iinfo(np.int64).min
+    for path in parts:
+        table = pq.read_table(path, columns=COLUMNS, schema=schema)
+        table = table.set_column(8, "finished_at", table.column(8).cast(pa.int64()))
+        for batch in table.to_batches(max_chunksize=BATCH):
+            keys, answered, state, attempts, times = [], [], [], [], []
+            for s, p, t, h, th, status, kind, attempt, at in zip(
+                    *(column.to_pylist() for column in batch.columns)):
+                keys.append(key_digest((s, p, t, h, th)))
+                answered.append(key_digest((s, p, t, h)))
+                state.append(_OK if status == "ok" else _TRANSIENT if kind == "transient"
+                             else _PERMANENT)
+                attempts.append(min(attempt or 1, 65535))
+                if at is not None:
+                    latest = max(latest, at)
+                times.append(latest if at is None else at)  # no time: the newest before it
+            rows.add(np.array(keys, DIGEST), np.array(answered, DIGEST),
+                     np.array(state, np.uint8), np.array(attempts, np.uint16),
+                     np.array(times, np.int64))
+    keys, answered, state, attempts, times = rows.joined()
+    # newest row per key: sorted by key, then time, then row order; the last of each key
+    order = np.lexsort((np.arange(len(keys)), times, keys))
+    keys, state, attempts = keys[order], state[order], attempts[order]
+    last = np.ones(len(keys), bool)
+    last[:-1] = keys[1:] != keys[:-1]
+    keys, state, attempts = keys[last], state[last], attempts[last]
+    failed = state != _OK
+    if retry_errors:
+        done = ~failed
+    else:
+        done = ~failed | (state == _PERMANENT) | (attempts >= max_attempts)
+    return History(DigestTable(keys[done]), DigestTable(keys[failed], attempts[failed]),
+                   DigestTable(np.unique(answered)))
