@@ -150,7 +150,7 @@ class Forms:
 
 
 def _seen(page) -> tuple:
-    return page.image(), page.text_layer
+    return page.image(), page.text_layer, page.drawings
 
 
 FORM_PAIRS = {  # name: (form a, form b) as (kind, dpi[, quality])

@@ -7,16 +7,19 @@
 #   bash scripts/gpu_frontend.sh nothreads      vlbatch W1 without (frontend_threads 0)
 #   bash scripts/gpu_frontend.sh w3             vlbatch W3 (4 tasks a page)
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
-#   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm
+#   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm (vlbatch
+#                                               sets VLLM_WORKER_MULTIPROC_METHOD=spawn for it)
 #   bash scripts/gpu_frontend.sh raw2000        2,000 W1 pages: set-up and raw as shipped
 #   bash scripts/gpu_frontend.sh vlbatch2000    vlbatch on the same 2,000 pages
+#   bash scripts/gpu_frontend.sh shm2000        the same with mm_tensor_ipc torch_shm
+#   bash scripts/gpu_frontend.sh inflight2000   the same with max_in_flight 1024
 # Results as JSON under $OUT; ratios: python3 scripts/bench_ratios.py $OUT.
 set -uo pipefail
 STAGE=${1:-raw}; shift || true
 source "$(dirname "$0")/gpu_common.sh"
 job() {  # job WORK TASKS [ENGINE SETTING...]: a job file on the W1 pages
   local work=$1 tasks=$2; shift 2
-  $B job --model "$MODEL" --pages-dir /tmp/w1-pages --work "$work" --tasks "$tasks" \
+  $B job --model "$MODEL" --pages-dir "${PAGES_DIR:-/tmp/w1-pages}" --work "$work" --tasks "$tasks" \
     $(for kv in "$@"; do echo --engine "$kv"; done) > /dev/null
 }
 case $STAGE in
@@ -38,9 +41,13 @@ case $STAGE in
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
   raw2000)
     python3 scripts/make_pages.py /tmp/w1-2000-pages 2000 10 > /dev/null
-    $B job --model "$MODEL" --pages-dir /tmp/w1-2000-pages --work /tmp/w1-2000 --tasks 1 > /dev/null
+    PAGES_DIR=/tmp/w1-2000-pages job /tmp/w1-2000 1
+    PAGES_DIR=/tmp/w1-2000-pages job /tmp/w1-2000-shm 1 mm_tensor_ipc=torch_shm
+    PAGES_DIR=/tmp/w1-2000-pages job /tmp/w1-2000-if1024 1 max_in_flight=1024
     step raw-vllm-defaults-2000 560 $B raw --job /tmp/w1-2000/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch2000) step vlbatch-w1-2000 560 $B vlbatch --job /tmp/w1-2000/job.yaml --fresh ;;
+  shm2000) step vlbatch-w1-2000-shm 560 $B vlbatch --job /tmp/w1-2000-shm/job.yaml --fresh ;;
+  inflight2000) step vlbatch-w1-2000-if1024 560 $B vlbatch --job /tmp/w1-2000-if1024/job.yaml --fresh ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 python3 scripts/bench_ratios.py "$OUT" 2>/dev/null | tee "$OUT/ratios.txt"

@@ -19,6 +19,7 @@ from vlbatch.job import Dedupe, Render, load_job
 from vlbatch.pipeline import ingest
 from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.dedupe import Deduper, bands, same_page
+from vlbatch.pipeline.discover import file_sha256
 from vlbatch.pipeline.render import PageSpec, PageStore, render_page
 from vlbatch.run import run_job
 
@@ -138,6 +139,67 @@ def test_marks_keep_pages_apart_and_rerenders_merge_on_the_generated_set():
         elif merged:
             missed.append((layout, name))
     assert missed == []
+
+
+def struck_invoice(folder: Path) -> tuple[Path, Path]:
+    """The generated set's invoice of seed 3, as it is and with one line struck through: at
+    100 dpi the strike leaves about one pixel on paper, so the pixel check alone merges the
+    two (bench_dedupe.py --seeds 6); their drawings differ."""
+    import dedupe_set
+
+    plain, struck = folder / "plain.pdf", folder / "struck.pdf"
+    dedupe_set.layout("invoice", 3).save(plain)
+    dedupe_set.mark(dedupe_set.layout("invoice", 3), "strike", 3).save(struck)
+    return plain, struck
+
+
+def test_pdf_pages_whose_drawings_differ_never_merge(tmp_path):
+    plain, struck = struck_invoice(tmp_path)
+    a = ingest.render(str(plain), "pdf", 1, Render(dpi=150))
+    b = ingest.render(str(struck), "pdf", 1, Render(dpi=100))
+    again = ingest.render(str(plain), "pdf", 1, Render(dpi=100))
+    assert a.text_layer == b.text_layer and a.drawings == again.drawings != b.drawings
+    settings = Dedupe()
+    assert same_page(a.image(), b.image(), a.text_layer, b.text_layer, settings)  # pixels alone
+    assert not same_page(a.image(), b.image(), a.text_layer, b.text_layer, settings,
+                         a.drawings, b.drawings)
+    assert same_page(a.image(), again.image(), a.text_layer, again.text_layer, settings,
+                     a.drawings, again.drawings)  # a re-render still merges
+    image_file = export(struck, tmp_path / "struck.png")  # no drawings: the pixels decide
+    assert ingest.render(str(image_file), "image", 1, RENDER).drawings is None
+
+
+def test_drawings_keep_pages_apart_across_runs(write_job, tmp_path):
+    """The digest travels through the feature cache's page entries and dedupe index: a run
+    at 100 dpi merges the plain invoice with the last run's 150-dpi page, not the struck one;
+    a page entry cached without a digest (an older version) is rendered again."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    plain, struck = struck_invoice(docs)
+    fields = one_task(job_fields("fake-model", ["docs/plain.pdf"]))
+    run(write_job(fields))
+    fields["inputs"], fields["output"] = ["docs/*.pdf"], "out100"
+    fields["render"]["dpi"] = 100
+    stats, engine = run(write_job(fields))
+    assert len(engine.requests) == 1 and stats.near_copies == 1
+    df = pl.read_parquet(tmp_path / "out100" / "results" / "*.parquet")
+    cached = dict(zip(df["matched_path"], df["cached"]))
+    assert cached == {"docs/plain.pdf": True, "docs/struck.pdf": False}
+
+    key = FeatureCache.page_key(file_sha256(str(plain)), 1, 100, RENDER.min_pixels, RENDER.max_pixels)
+    with diskcache.Cache(str(tmp_path / "cache" / "default" / "features")) as cache:
+        meta = json.loads(cache[key])
+        assert meta["drawings"] is not None
+        del meta["drawings"]
+        cache[key] = json.dumps(meta).encode()
+    PageStore.open(str(tmp_path / "cache" / "default"), 1.0)
+    try:
+        spec = PageSpec(str(plain), "pdf", 1, key)
+        page = render_page(spec, Render(dpi=100))
+        assert not page.from_cache and page.drawings is not None
+        assert render_page(spec, Render(dpi=100)).from_cache  # and cached again, with it
+    finally:
+        PageStore.close()
 
 
 def test_cache_stats_and_clear_cli(write_job, tmp_path, samples):
@@ -297,7 +359,7 @@ def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
     write_index = batched._write_index
     batched._write_index = lambda items: (transactions.append(len(items)), write_index(items))
     for content_hash, phash, text in pages:
-        batched._pending.put((content_hash, phash, tuple(bands(phash)), text))
+        batched._pending.put((content_hash, phash, tuple(bands(phash)), text, None))
     batched._pending.put(None)
     batched._write_loop()  # the writer thread's loop, run here over a full queue
     batched.close()

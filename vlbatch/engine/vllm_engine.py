@@ -91,6 +91,8 @@ class VllmEngine:
                 # the CPU build needs a KV cache size; in-process starts in seconds, not 30
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{job.engine.cpu_kv_cache_gib:g}")
                 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            if job.engine.mm_tensor_ipc == "torch_shm":  # vLLM refuses it with fork
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             self.llm = LLM(**engine_kwargs(job))
         except Exception as e:  # model not found, out of memory, bad setting, ...
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -29,7 +29,7 @@ PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "page": pa.int32(), "error": pa.string(),
     "row_error": pa.string(), "cost_s": pa.float64(), "width": pa.int32(),
     "height": pa.int32(), "rgb": pa.binary(), "text_layer": pa.string(),
-    "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
+    "drawings": pa.string(), "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
     "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
 }
 ROUTED_COLUMNS = {"routes": pa.string()}
@@ -55,7 +55,7 @@ def outcome_columns(outcome: RenderedPage | RenderFailure) -> dict:
         return {"error": outcome.page_error, "row_error": outcome.row_error,
                 "cost_s": outcome.cost_s}
     return {"error": None, "row_error": None, "width": outcome.width, "height": outcome.height,
-            "rgb": outcome.rgb, "text_layer": outcome.text_layer,
+            "rgb": outcome.rgb, "text_layer": outcome.text_layer, "drawings": outcome.drawings,
             "content_hash": outcome.content_hash, "phash": outcome.phash,
             "from_cache": outcome.from_cache, "healed": outcome.healed,
             "render_s": outcome.render_s}
@@ -66,7 +66,7 @@ def outcome_of(row: dict) -> RenderedPage | RenderFailure:
         return RenderFailure(row["error"], row["row_error"] or row["error"], row["cost_s"] or 0.0)
     return RenderedPage(row["width"], row["height"], row["rgb"] or b"", row["text_layer"],
                         row["content_hash"], row["phash"], bool(row["from_cache"]),
-                        row["render_s"] or 0.0, bool(row["healed"]))
+                        row["render_s"] or 0.0, bool(row["healed"]), row.get("drawings"))
 
 
 # ----- a routed page (with the answers generated for it) as JSON, and back -----

@@ -137,14 +137,16 @@ class FeatureCache(_JsonEntries):
         self._cache.set("image:" + meta["content_hash"], png)
         self._cache.set(key, json.dumps(meta).encode())
 
-    def image(self, content_hash: str) -> tuple[object, str | None] | None:
-        """(PIL image, text layer) of a page seen before, for the dedupe's pixel check."""
+    def image(self, content_hash: str) -> tuple[object, str | None, str | None] | None:
+        """(PIL image, text layer, drawings digest) of a page seen before, for the dedupe's
+        check."""
         import io
 
         from PIL import Image
 
         png = self._raw("image:" + content_hash)
         text = self._json("text:" + content_hash)
+        drawings = self._json("drawings:" + content_hash)
         if not isinstance(png, bytes):
             return None
         try:
@@ -154,7 +156,8 @@ class FeatureCache(_JsonEntries):
             self.corrupt += 1
             self._cache.delete("image:" + content_hash)
             return None
-        return image.convert("RGB"), text if isinstance(text, str) else None
+        return (image.convert("RGB"), text if isinstance(text, str) else None,
+                drawings if isinstance(drawings, str) else None)
 
     # the band index (dedupe.Deduper's `index`)
     def members(self, band: str) -> list[tuple[str, str | None]]:
@@ -171,12 +174,12 @@ class FeatureCache(_JsonEntries):
         return found if isinstance(found, str) else None
 
     def add(self, content_hash: str, phash: str, bands: list[str],
-            text_layer: str | None = None) -> None:
+            text_layer: str | None = None, drawings: str | None = None) -> None:
         """Index a canonical page under its perceptual-hash bands, in a background thread
         (indexing inline cost the route stage 12% of W1 throughput on the H200 when it
         shared the engine's thread). The dedupe keeps this run's pages in memory, so it
         never waits for these writes."""
-        page = (content_hash, phash, tuple(bands), text_layer)
+        page = (content_hash, phash, tuple(bands), text_layer, drawings)
         if not self.index_in_background:
             self._write_index([page])
             return
@@ -216,12 +219,14 @@ class FeatureCache(_JsonEntries):
             if batch[-1] is None:  # after an error the queue is still drained, so nothing waits
                 return
 
-    def _write_index(self, pages: list[tuple[str, str, tuple[str, ...], str | None]]) -> None:
+    def _write_index(self, pages: list[tuple[str, str, tuple[str, ...], str | None, str | None]]
+                     ) -> None:
         joining: dict[str, list[tuple[str, str]]] = {}  # band -> pages joining it, in order
         with self._cache.transact():
-            for content_hash, phash, page_bands, text_layer in pages:
+            for content_hash, phash, page_bands, text_layer, drawings in pages:
                 self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
                 self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
+                self._cache.set("drawings:" + content_hash, json.dumps(drawings).encode())
                 for band in page_bands:
                     joining.setdefault(band, []).append((content_hash, phash))
             for band, new in joining.items():

@@ -12,7 +12,10 @@ three measures, both pages at one size (`PagePair`, `same_page`):
 - local differences: resampling and JPEG noise is spread over every glyph; a change in one
   place (a digit) stands out above the rest.
 A wrong merge gives one document's answer to another, so the thresholds err on the side of
-not merging; the text layers count only against a merge (different text, different page).
+not merging; a PDF's own layers count only against a merge: a different text layer, or
+different drawings (`ingest.drawings_digest`: a strike through a short label at 100 dpi
+leaves about one pixel on paper, below what the pixel check can tell from rendering noise,
+but it is one more path in the PDF).
 Figures: scripts/bench_dedupe.py, docs/benchmarks.md.
 """
 
@@ -150,9 +153,10 @@ def _words(text: str | None) -> str:
 
 
 def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | None,
-              settings) -> bool:
+              settings, drawings_a: str | None = None, drawings_b: str | None = None) -> bool:
     """The pixel check, whatever the text layers say (an equal text layer says nothing of
-    ticks, stamps and drawings; a different one does rule a merge out):
+    ticks, stamps and drawings; a different one does rule a merge out, as do two PDF pages
+    whose drawings differ: `ingest.drawings_digest`):
     - nothing on blank paper in one page that the other lacks (`PagePair.blank_marks`),
       not even one dark pixel standing out of the noise (`PagePair.blank_dot`),
     - no area whose ink level changed more than the rest's (`PagePair.ink_shift`), and
@@ -160,6 +164,8 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
       `max_peak_ratio` times the RANK-th (re-rendering noise is spread over every glyph,
       a change in one place is not) and at most `max_block_diff`."""
     if _words(text_a) and _words(text_b) and _words(text_a) != _words(text_b):
+        return False
+    if drawings_a is not None and drawings_b is not None and drawings_a != drawings_b:
         return False
     pair = PagePair(a, b)
     if pair.blank_marks() > settings.max_blank_mark:
@@ -199,7 +205,7 @@ class Deduper:
         """Removes the spilled part of this run's index (also done when collected)."""
         self.pages.close()
 
-    def _page(self, content_hash: str) -> tuple[Image.Image, str | None] | None:
+    def _page(self, content_hash: str) -> tuple[Image.Image, str | None, str | None] | None:
         found = self.recent.get(content_hash)
         if found is not None:
             return found
@@ -225,24 +231,26 @@ class Deduper:
         return found
 
     def match(self, content_hash: str, phash: str, image: Image.Image,
-              text_layer: str | None = None) -> tuple[str, Relation]:
-        """(canonical content hash, how the page relates to it)."""
+              text_layer: str | None = None, drawings: str | None = None) -> tuple[str, Relation]:
+        """(canonical content hash, how the page relates to it); text_layer and drawings:
+        a PDF page's (`RenderedPage`), None for an image file."""
+        layers = (text_layer, drawings)
         if content_hash in self.pages:
             return content_hash, "exact"
         if self.max_distance > 0:
             if self.search_index and self.index.phash(content_hash):
                 # canonical in an earlier run, so it stays canonical (its answers are
                 # cached under it); already in the index
-                self._register(content_hash, phash, image, text_layer, index=False)
+                self._register(content_hash, phash, image, layers, index=False)
                 return content_hash, "new"
-            merged = self._near_copy_of(content_hash, phash, image, text_layer)
+            merged = self._near_copy_of(content_hash, phash, image, layers)
             if merged is not None:
                 return merged, "near"
-        self._register(content_hash, phash, image, text_layer)
+        self._register(content_hash, phash, image, layers)
         return content_hash, "new"
 
     def _near_copy_of(self, content_hash: str, phash: str, image: Image.Image,
-                      text_layer: str | None) -> str | None:
+                      layers: tuple[str | None, str | None]) -> str | None:
         """The closest earlier page that the pixel check confirms as the same, if any."""
         close = dict((c, d) for d, c in self.pages.near(phash, self.max_distance))
         for candidate, other in self._earlier_candidates(phash).items():
@@ -257,13 +265,13 @@ class Deduper:
             other = self._page(candidate)
             if other is None:
                 continue
-            if same_page(image, other[0], text_layer, other[1], self.settings):
+            if same_page(image, other[0], layers[0], other[1], self.settings, layers[1], other[2]):
                 return candidate
         return None
 
     def _register(self, content_hash: str, phash: str, image: Image.Image,
-                  text_layer: str | None, index: bool = True) -> None:
+                  layers: tuple[str | None, str | None], index: bool = True) -> None:
         self.pages.add(content_hash, phash)
         if index and self.index is not None:
-            self.index.add(content_hash, phash, bands(phash), text_layer)
-        self.recent[content_hash] = (image, text_layer)
+            self.index.add(content_hash, phash, bands(phash), *layers)
+        self.recent[content_hash] = (image, *layers)

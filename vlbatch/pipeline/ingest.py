@@ -10,6 +10,7 @@ render stage turns into the page's error rows.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import time
@@ -52,6 +53,7 @@ class RenderedPage:
     from_cache: bool = False  # read from the feature cache, not rendered
     render_s: float = 0.0  # worker time spent on this page
     healed: bool = False  # its feature-cache entry was damaged, so it was rendered again
+    drawings: str | None = None  # PDF pages: digest of where they draw (drawings_digest)
     built: Image.Image | None = field(default=None, repr=False, compare=False)
 
     def image(self) -> Image.Image:
@@ -164,10 +166,26 @@ def probe(path: str, dpi: int, password: str | None,
         return Probe("unknown", [], f"{type(e).__name__}: {e}")
 
 
-def _finish(image: Image.Image, text: str | None, min_pixels: int, max_pixels: int) -> RenderedPage:
+def drawings_digest(pdf_page) -> str | None:
+    """A digest of where a PDF page draws paths and images (each operation's kind and box,
+    from MuPDF's bbox log; text is left to the text layer). Two renders of one page have the
+    same; a tick, a strike, a signature, a stamp or a speck adds an operation, however few
+    pixels it leaves at a coarse resolution, so the dedupe never merges pages whose digests
+    differ. None where MuPDF cannot list them (the pixel check alone decides)."""
+    try:
+        marks = sorted((kind, *(round(v, 1) for v in box)) for kind, box in pdf_page.get_bboxlog()
+                       if kind.startswith(("fill-", "stroke-")) and "text" not in kind)
+    except Exception:
+        return None
+    return hashlib.blake2b(repr(marks).encode(), digest_size=16).hexdigest()
+
+
+def _finish(image: Image.Image, text: str | None, min_pixels: int, max_pixels: int,
+            drawings: str | None = None) -> RenderedPage:
     image = imaging.fit_to_budget(imaging.to_rgb(image), min_pixels, max_pixels)
     return RenderedPage(image.width, image.height, image.tobytes(), text,
-                        imaging.content_hash(image), imaging.perceptual_hash(image))
+                        imaging.content_hash(image), imaging.perceptual_hash(image),
+                        drawings=drawings)
 
 
 @lru_cache(maxsize=2)  # per worker process: the PDFs it rendered last
@@ -199,7 +217,8 @@ def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
         pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
                                   colorspace=pymupdf.csRGB)
         image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        rendered = _finish(image, pdf_page.get_text("text"), min_pixels, max_pixels)
+        rendered = _finish(image, pdf_page.get_text("text"), min_pixels, max_pixels,
+                           drawings_digest(pdf_page))
     else:
         with _open_image(path, settings.max_image_megapixels) as image:
             if page > 1:

@@ -82,6 +82,8 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
     cache, damaged = PageStore.opened if spec.feature_key else None, False
     if cache is not None:
         hit = cache.get_page(spec.feature_key)
+        if hit is not None and spec.kind == "pdf" and "drawings" not in hit[0]:
+            hit = None  # cached by a version without the drawings digest: rendered again
         if hit is not None:
             meta, png = hit
             try:
@@ -89,7 +91,8 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
                     rgb = image.convert("RGB")
                 return ingest.RenderedPage(rgb.width, rgb.height, rgb.tobytes(),
                                            meta.get("text_layer"), meta["content_hash"],
-                                           meta["phash"], from_cache=True)
+                                           meta["phash"], from_cache=True,
+                                           drawings=meta.get("drawings"))
             except Exception:  # a damaged entry: render again, and overwrite it
                 damaged = True
     rendered = ingest.render(spec.path, spec.kind, spec.page, settings)
@@ -99,7 +102,8 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
         rendered.image().save(buf, "PNG", compress_level=1)
         cache.put_page(spec.feature_key, {
             "content_hash": rendered.content_hash, "phash": rendered.phash,
-            "text_layer": rendered.text_layer, "width": rendered.width, "height": rendered.height,
+            "text_layer": rendered.text_layer, "drawings": rendered.drawings,
+            "width": rendered.width, "height": rendered.height,
             "image_tokens": (rendered.width // imaging.IMAGE_FACTOR)
             * (rendered.height // imaging.IMAGE_FACTOR)}, buf.getvalue())
     return rendered
