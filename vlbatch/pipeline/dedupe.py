@@ -21,6 +21,7 @@ Figures: scripts/bench_dedupe.py, docs/benchmarks.md.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -99,7 +100,7 @@ def _stand_out(values: np.ndarray) -> tuple[float, float]:
 
 class PagePair:
     """Two pages in grey at the size they are compared at (the smaller one's, at most
-    COMPARE_LONG_SIDE) and the pixel check's three measures of them. Every measure is inf
+    COMPARE_LONG_SIDE) and the pixel check's measures of them. Every measure is inf
     when their aspect ratios differ."""
 
     def __init__(self, a: Image.Image, b: Image.Image):
@@ -114,8 +115,7 @@ class PagePair:
         a mark on paper."""
         if self.size is None:
             return float("inf")
-        a, b = self.arrays
-        return float(_block_means(np.maximum(_marks_on_blank(a, b), _marks_on_blank(b, a))).max())
+        return float(_block_means(self._blank_paper_marks).max())
 
     def blank_dot(self) -> tuple[float, float]:
         """(largest, largest over the RANK-th largest) of the single pixels one page has where
@@ -124,8 +124,14 @@ class PagePair:
         dilutes; rendering noise leaves many small ones, nothing that stands out."""
         if self.size is None:
             return float("inf"), float("inf")
+        return _stand_out(self._blank_paper_marks)
+
+    @cached_property
+    def _blank_paper_marks(self) -> np.ndarray:
+        """What either page has where the other is blank paper, per pixel (both measures
+        above read it)."""
         a, b = self.arrays
-        return _stand_out(np.maximum(_marks_on_blank(a, b), _marks_on_blank(b, a)))
+        return np.maximum(_marks_on_blank(a, b), _marks_on_blank(b, a))
 
     def ink_shift(self) -> float:
         """How far the most changed 16x16 area's ink (its mean level, signed: resampling
