@@ -32,8 +32,8 @@ from vlbatch.job import Dedupe  # noqa: E402
 from vlbatch.pipeline import imaging  # noqa: E402
 import dedupe_set  # noqa: E402
 
-from vlbatch.pipeline.dedupe import (  # noqa: E402
-    PagePair, hamming, same_page)
+from vlbatch.pipeline.dedupe import hamming  # noqa: E402
+from vlbatch.pipeline.pixelcheck import PagePair, same_page  # noqa: E402
 
 MIN, MAX = 64 * 32 * 32, 1280 * 32 * 32
 DOCUMENTS = [("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 EUR"),
@@ -120,26 +120,37 @@ def pairs(base_fields=("INV-2026-00417", "2026-11-30", "Jane Smith", "1,204.50 E
     return cases
 
 
-def all_pairs(seeds=(0, 1, 2)):
-    """The invoice pairs above (three documents) and the generated set (dedupe_set.py)."""
+def all_pairs(seeds=(0, 1, 2), budget: int = MAX):
+    """The invoice pairs above (three documents, at the comparison budget) and the generated
+    set (dedupe_set.py) as a run at render.max_pixels = `budget` sees it: (comparison image,
+    text layer, drawings digest, pHash of the model's image) a page."""
     for fields in DOCUMENTS:
         for kind, name, a, b in pairs(fields):
-            yield kind, f"invoice {fields[0]}", name, (a.image, a.text, None), (b.image, b.text, None)
-    yield from dedupe_set.generated_pairs(seeds)
+            yield kind, f"invoice {fields[0]}", name, (a.image, a.text, None, None), \
+                (b.image, b.text, None, None)
+    for kind, layout, name, a, b in dedupe_set.generated_pairs(seeds, budget=budget):
+        yield kind, layout, name, seen(a), seen(b)
+
+
+def seen(page) -> tuple:
+    """A RenderedPage as the dedupe's pixel check sees it."""
+    return page.comparison(), page.text_layer, page.drawings, page.phash
 
 
 def decide(a, b, settings) -> dict:
-    distance = hamming(imaging.perceptual_hash(a[0]), imaging.perceptual_hash(b[0]))
+    distance = hamming(a[3] or imaging.perceptual_hash(a[0]), b[3] or imaging.perceptual_hash(b[0]))
     pair = PagePair(a[0], b[0])
     (peak, ratio), marks, shift = pair.block_difference(), pair.blank_marks(), pair.ink_shift()
+    colour, spread = pair.colour_difference(), pair.grey_difference()
     dot, dot_ratio = pair.blank_dot()
-    pixels = same_page(a[0], b[0], a[1], b[1], settings)  # the pixel check and text layers
+    pixels = same_page(a[0], b[0], None, None, settings)  # the pixel check and text layers
     merged = distance <= settings.max_phash_distance and same_page(
         a[0], b[0], a[1], b[1], settings, a[2], b[2])
     return {"phash_distance": distance, "blank_marks": round(marks, 1),
             "blank_dot": round(dot, 1), "blank_dot_ratio": round(dot_ratio, 2),
             "ink_shift": round(shift, 2), "peak": round(peak, 1),
-            "peak_ratio": round(ratio, 2), "drawings_differ": None not in (a[2], b[2]) and a[2] != b[2],
+            "peak_ratio": round(ratio, 2), "colour": round(colour, 1), "spread": round(spread, 1),
+            "drawings_differ": None not in (a[2], b[2]) and a[2] != b[2],
             "pixel_check_merges": distance <= settings.max_phash_distance and pixels, "merged": merged}
 
 
@@ -148,31 +159,47 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--seeds", type=int, default=3, help="how many seeds of the generated set")
     parser.add_argument("--first-seed", type=int, default=0, help="held-out sets: e.g. 6")
+    parser.add_argument("--budgets", default=",".join(map(str, dedupe_set.BUDGETS)),
+                        help="render.max_pixels values, comma-separated")
     args = parser.parse_args()
     settings = Dedupe()
     rows = []
-    for kind, document, name, a, b in all_pairs(range(args.first_seed, args.first_seed + args.seeds)):
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    for budget in map(int, args.budgets.split(",")):
+        rows += [{"budget": budget, **row} for row in budget_rows(seeds, budget, settings)]
+    summary = {"settings": settings.model_dump(),
+               **{f"budget {b}": summarise([r for r in rows if r["budget"] == b])
+                  for b in map(int, args.budgets.split(","))}}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "pairs": rows}, indent=1))
+
+
+def budget_rows(seeds, budget: int, settings) -> list[dict]:
+    rows = []
+    for kind, document, name, a, b in all_pairs(seeds, budget):
         row = {"kind": kind, "document": document, "case": name, **decide(a, b, settings)}
         rows.append(row)
         print(f"{document[:22]:22} {kind:6} {name:46} phash {row['phash_distance']:3d}  "
               f"blank {row['blank_marks']:5.1f}  dot {row['blank_dot']:5.1f}/{row['blank_dot_ratio']:5.2f}  ink {row['ink_shift']:5.2f}  peak {row['peak']:5.1f}  ratio "
-              f"{row['peak_ratio']:8.2f}  {'MERGED' if row['merged'] else 'kept apart'}", flush=True)
+              f"{row['peak_ratio']:8.2f}  colour {row['colour']:5.1f}  spread {row['spread']:5.1f}  "
+              f"{'MERGED' if row['merged'] else 'kept apart'}", flush=True)
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
     by_case: dict[str, list] = {}
     for row in rows:
         group = row["case"].split(",")[0] if row["kind"] == "never" else row["case"]
         by_case.setdefault(f"{row['kind']}: {group}", []).append(row["merged"])
-    summary = {"settings": settings.model_dump(),
-               "must_merge": _ratio(r["merged"] for r in rows if r["kind"] == "must"),
-               "should_merge": _ratio(r["merged"] for r in rows if r["kind"] == "should"),
-               "wrong_merges": _ratio(r["merged"] for r in rows if r["kind"] == "never"),
-               "wrong_merges_pixel_check_alone": _ratio(
-                   r["pixel_check_merges"] for r in rows if r["kind"] == "never"),
-               "raster_rerenders_merged": _ratio(
-                   r["merged"] for r in rows if r["kind"] == "must" and r["case"].startswith(("PNG", "JPEG"))),
-               "merged_by_case": {case: _ratio(merged) for case, merged in sorted(by_case.items())}}
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "pairs": rows}, indent=1))
+    return {"must_merge": _ratio(r["merged"] for r in rows if r["kind"] == "must"),
+            "should_merge": _ratio(r["merged"] for r in rows if r["kind"] == "should"),
+            "wrong_merges": _ratio(r["merged"] for r in rows if r["kind"] == "never"),
+            "wrong_merges_pixel_check_alone": _ratio(
+                r["pixel_check_merges"] for r in rows if r["kind"] == "never"),
+            "raster_rerenders_merged": _ratio(
+                r["merged"] for r in rows if r["kind"] == "must" and r["case"].startswith(("PNG", "JPEG"))),
+            "merged_by_case": {case: _ratio(merged) for case, merged in sorted(by_case.items())}}
 
 
 def _ratio(merged) -> str:

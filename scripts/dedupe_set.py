@@ -6,8 +6,12 @@ text, a watermark, a speck in the margin). Every page goes through vlbatch's own
 (`ingest.render` on a real file), so the pixels are the ones the dedupe sees in a run.
 
 Pairs: "must" (the same page in two forms: re-renders at another resolution, JPEG
-re-encodings, raster files against the PDF) and "never" (a page against itself with one
-local difference, in any two forms; another document of the same layout).
+re-encodings, raster files against the PDF, the page scaled onto a larger page box) and
+"never" (a page against itself with one local difference, in any two forms; another
+document of the same layout; a statement of one template with every number different;
+a status table whose one dot is red in one page and green, of the same grey, in the
+other; a two-page TIFF of solid red and solid green). Every pair at a pixel budget
+(`budget`: the job's render.max_pixels).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from vlbatch.job import Render
 from vlbatch.pipeline import ingest
 
 LAYOUTS = ("invoice", "article", "form", "chart", "photo")
+BUDGETS = (64 * 32 * 32, 256 * 32 * 32, 1280 * 32 * 32)  # render.max_pixels
 MARKS = ("tick", "signature", "stamp", "strike", "watermark", "speck")
 
 WORDS = ("the of and to in is for on with as by at from this that which be are was it an or "
@@ -83,6 +88,50 @@ def layout(kind: str, seed: int) -> pymupdf.Document:
             page.insert_text((56, y), _text(rng, 12), fontsize=9)
     return doc
 
+
+def statement(seed: int) -> pymupdf.Document:
+    """One template (a bank statement), every number drawn from `seed`: the account number
+    and all 14 amounts differ between two seeds, the layout and the labels do not."""
+    rng = random.Random(seed)
+    doc = pymupdf.open(); page = doc.new_page(width=595, height=842)
+    page.insert_text((56, 70), "Northbank - Monthly statement", fontsize=18, fontname="hebo")
+    page.insert_text((56, 100), f"Account {rng.randint(10**7, 10**8 - 1)}", fontsize=11)
+    for r in range(14):
+        rect = pymupdf.Rect(56, 140 + r * 22, 536, 162 + r * 22)
+        page.draw_rect(rect, color=(0, 0, 0), width=0.5)
+        page.insert_text((62, rect.y1 - 7), f"Item {r + 1}", fontsize=10)
+        page.insert_text((440, rect.y1 - 7), f"{rng.uniform(1, 9999):9.2f}", fontsize=10)
+    return doc
+
+
+def status_table(dot: tuple[float, float, float]) -> pymupdf.Document:
+    """A status table with one coloured dot; red (1, 0, 0) and green (0, 0.502, 0) have the
+    same grey level (76 and 75 of 255)."""
+    doc = pymupdf.open(); page = doc.new_page(width=595, height=842)
+    page.insert_text((56, 70), "Service status", fontsize=18, fontname="hebo")
+    for r, name in enumerate(["Billing", "Search", "Storage", "Mail", "Reports"]):
+        y = 120 + r * 30
+        page.insert_text((56, y), name, fontsize=12)
+        colour = dot if r == 2 else (0, 0.502, 0)
+        page.draw_circle((300, y - 4), 7, color=colour, fill=colour)
+    return doc
+
+
+def on_larger_box(doc: pymupdf.Document, scale: float = 1.5) -> pymupdf.Document:
+    """The document's page placed, scaled, on a page box `scale` times as large."""
+    out = pymupdf.open(); src = doc[0]
+    page = out.new_page(width=src.rect.width * scale, height=src.rect.height * scale)
+    page.show_pdf_page(page.rect, doc, 0)
+    return out
+
+
+def solid_tiff(folder: Path) -> Path:
+    """A two-page TIFF: solid red, then solid green of the same grey."""
+    path = folder / "red-green.tif"
+    red, green = Image.new("RGB", (850, 1100), (255, 0, 0)), Image.new("RGB", (850, 1100), (0, 130, 0))
+    red.save(path, save_all=True, append_images=[green])
+    return path
+
 def _overlay(page, draw_fn, rect) -> None:
     """Drawn with Pillow on a transparent image placed on the page: no text is added."""
     w, h = int(rect.width * 4), int(rect.height * 4)
@@ -125,15 +174,21 @@ class Forms:
     """A document's page in the forms a corpus holds it in, rendered the way a run renders
     each file (a PDF at the job's DPI; an image file made elsewhere from a raster)."""
 
-    def __init__(self, doc: pymupdf.Document, folder: Path):
-        self.pdf = folder / f"{id(doc)}.pdf"
+    count = 0
+
+    def __init__(self, doc: pymupdf.Document, folder: Path, budget: int = BUDGETS[-1]):
+        Forms.count += 1
+        self.pdf = folder / f"doc{Forms.count}.pdf"
         doc.save(self.pdf)
-        self.doc, self.folder, self.done = doc, folder, {}
+        self.doc, self.folder, self.done, self.budget = doc, folder, {}, budget
+
+    def settings(self, dpi: int) -> Render:
+        return Render(dpi=dpi, max_pixels=self.budget, min_pixels=min(64 * 32 * 32, self.budget))
 
     def pdf_at(self, dpi: int):
         key = ("pdf", dpi)
         if key not in self.done:
-            self.done[key] = _seen(ingest.render(str(self.pdf), "pdf", 1, Render(dpi=dpi)))
+            self.done[key] = _seen(ingest.render(str(self.pdf), "pdf", 1, self.settings(dpi)))
         return self.done[key]
 
     def file(self, dpi: int, kind: str, quality: int = 85):
@@ -142,15 +197,15 @@ class Forms:
         if key not in self.done:
             pix = self.doc[0].get_pixmap(dpi=dpi, colorspace=pymupdf.csRGB, alpha=False)
             image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-            path = self.folder / f"{id(self)}-{dpi}-{quality}.{kind}"
+            path = self.folder / f"{self.pdf.stem}-{dpi}-{quality}.{kind}"
             image.save(path, "JPEG" if kind == "jpg" else "PNG",
                        **({"quality": quality} if kind == "jpg" else {}))
-            self.done[key] = _seen(ingest.render(str(path), "image", 1, Render(dpi=dpi)))
+            self.done[key] = _seen(ingest.render(str(path), "image", 1, self.settings(dpi)))
         return self.done[key]
 
 
-def _seen(page) -> tuple:
-    return page.image(), page.text_layer, page.drawings
+def _seen(page) -> "ingest.RenderedPage":
+    return page
 
 
 FORM_PAIRS = {  # name: (form a, form b) as (kind, dpi[, quality])
@@ -169,20 +224,48 @@ def _form(forms: Forms, spec: tuple):
     return forms.pdf_at(spec[1]) if spec[0] == "pdf" else forms.file(spec[1], spec[0], *spec[2:])
 
 
-def generated_pairs(seeds=(0, 1, 2), layouts=LAYOUTS, marks=MARKS):
-    """(kind, layout, case, (image, text), (image, text)) for the generated set."""
+TEMPLATE_PAIRS = ("PNG 150 dpi / JPEG 200 dpi", "PDF 150 dpi / JPEG q70 150 dpi",
+                  "PNG 150 dpi / PNG 300 dpi")
+
+
+def template_pairs(seeds, folder: Path, budget: int):
+    """The cases of one template: statements with every number different (in raster forms,
+    where no text layer tells them apart), the coloured dot, the larger page box."""
+    for seed in seeds:
+        ours, theirs = Forms(statement(seed), folder, budget), Forms(statement(seed + 100), folder, budget)
+        yield "must", "statement", "on a 1.5x larger page box, PDF 150 dpi both", ours.pdf_at(150), \
+            Forms(on_larger_box(statement(seed)), folder, budget).pdf_at(150)
+        yield "never", "statement", "every number changed, PDF 150 dpi both", ours.pdf_at(150), theirs.pdf_at(150)
+        for name in TEMPLATE_PAIRS:
+            a, b = FORM_PAIRS[name]
+            yield "never", "statement", f"every number changed, {name}", _form(ours, a), _form(theirs, b)
+    red, green = (Forms(status_table(c), folder, budget) for c in ((1, 0, 0), (0, 0.502, 0)))
+    yield "never", "status", "red dot vs green dot, PDF 150 dpi both", red.pdf_at(150), green.pdf_at(150)
+    for name in ("PNG 150 dpi / PNG 300 dpi", "PDF 150 dpi / JPEG q70 150 dpi"):
+        a, b = FORM_PAIRS[name]
+        yield "never", "status", f"red dot vs green dot, {name}", _form(red, a), _form(green, b)
+    tiff = str(solid_tiff(folder))
+    settings = Render(max_pixels=budget, min_pixels=min(64 * 32 * 32, budget))
+    yield "never", "solid", "two-page TIFF: solid red / solid green", \
+        ingest.render(tiff, "image", 1, settings), ingest.render(tiff, "image", 2, settings)
+
+
+def generated_pairs(seeds=(0, 1, 2), layouts=LAYOUTS, marks=MARKS, budget: int = BUDGETS[-1]):
+    """(kind, layout, case, page a, page b) for the generated set: RenderedPages, as a run
+    with render.max_pixels = `budget` renders them."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        yield from template_pairs(seeds, folder, budget)
         for kind in layouts:
             for seed in seeds:
-                page = Forms(layout(kind, seed), folder)
+                page = Forms(layout(kind, seed), folder, budget)
                 for name, (a, b) in FORM_PAIRS.items():
                     yield "must", kind, name, _form(page, a), _form(page, b)
                 # the same form on both sides: identical but for the mark
                 yield "never", kind, "another document", page.pdf_at(150), \
-                    Forms(layout(kind, seed + 100), folder).pdf_at(150)
+                    Forms(layout(kind, seed + 100), folder, budget).pdf_at(150)
                 for what in marks:
-                    marked = Forms(mark(layout(kind, seed), what, seed), folder)
+                    marked = Forms(mark(layout(kind, seed), what, seed), folder, budget)
                     yield "never", kind, f"{what}, PDF 150 dpi both", page.pdf_at(150), marked.pdf_at(150)
                     for name in MARK_PAIRS:
                         a, b = FORM_PAIRS[name]

@@ -18,7 +18,8 @@ from fakes import FakeEngine, fake_prompts
 from vlbatch.job import Dedupe, Render, load_job
 from vlbatch.pipeline import ingest
 from vlbatch.pipeline.cache import FeatureCache
-from vlbatch.pipeline.dedupe import Deduper, bands, same_page
+from vlbatch.pipeline.dedupe import Deduper, bands, layer_key
+from vlbatch.pipeline.pixelcheck import same_page
 from vlbatch.pipeline.discover import file_sha256
 from vlbatch.pipeline.render import PageSpec, PageStore, render_page
 from vlbatch.run import run_job
@@ -133,7 +134,7 @@ def test_marks_keep_pages_apart_and_rerenders_merge_on_the_generated_set():
 
     settings, missed = Dedupe(), []
     for kind, layout, name, a, b in dedupe_set.generated_pairs(seeds=(0, 2)):
-        merged = same_page(a[0], b[0], a[1], b[1], settings)
+        merged = same_page(a.comparison(), b.comparison(), a.text_layer, b.text_layer, settings)
         if kind == "must":
             assert merged, (layout, name)
         elif merged:
@@ -260,9 +261,9 @@ class CountingFeatureCache(FeatureCache):
         self.band_reads = self.phash_reads = 0
         self.writing = False
 
-    def members(self, band):
-        self.band_reads += not self.writing
-        return super().members(band)
+    def members(self, key):
+        self.band_reads += not self.writing and key.startswith("band:")
+        return super().members(key)
 
     def _write_index(self, *args):  # its own reads, before it writes, are not the dedupe's
         self.writing = True
@@ -286,8 +287,7 @@ def test_dedupe_reads_the_index_only_for_earlier_runs(tmp_path):
 
     def canonical(deduper, name):
         page = pages[name]
-        found, relation = deduper.match(page.content_hash, page.phash, page.image(),
-                                        page.text_layer)
+        found, relation = deduper.match(page)
         relations.append(relation)
         return found
 
@@ -314,95 +314,124 @@ def test_dedupe_reads_the_index_only_for_earlier_runs(tmp_path):
     index.close()
 
 
-def test_band_entries_of_older_versions_still_match(tmp_path):
-    """Band entries once held content hashes only; their perceptual hashes are read."""
+def test_index_entries_without_their_safeguards_never_merge(tmp_path):
+    """A canonical page of an earlier run whose layers and comparison image the cache no
+    longer holds (evicted, or written by an older version), or whose band entries lack the
+    layer key and thumbnail, is no candidate: a near copy of it is generated, not merged."""
     a = write_invoice(tmp_path / "a.pdf")
     PageStore.open(str(tmp_path / "cache"), 1.0)  # as a render worker does
     page = render_page(PageSpec(str(a), "pdf", 1, "a"), RENDER)
     PageStore.close()
     near = ingest.render(str(export(a, tmp_path / "a.jpg", quality=80)), "image", 1, RENDER)
     index = FeatureCache(tmp_path / "cache", index_in_background=False)
-    Deduper(Dedupe(), index=index).match(page.content_hash, page.phash, page.image())
-    for band in bands(page.phash):  # rewrite as an older version wrote them
-        index._cache.set("band:" + band, json.dumps([page.content_hash]).encode())
+    Deduper(Dedupe(), index=index).match(page)
     index.close()
-    index = CountingFeatureCache(tmp_path / "cache")
-    deduper = Deduper(Dedupe(), index=index)
-    assert deduper.match(near.content_hash, near.phash, near.image()) == (page.content_hash, "near")
-    assert index.phash_reads == 2  # its own (not seen before), then the candidate's
-    index.close()
+
+    def match_near():
+        index = FeatureCache(tmp_path / "cache", index_in_background=False)
+        try:
+            return Deduper(Dedupe(), index=index).match(near)
+        finally:
+            index.close()
+
+    assert match_near() == (page.content_hash, "near")  # all there: it merges
+    with diskcache.Cache(str(tmp_path / "cache" / "features")) as cache:
+        look = cache["look:" + page.content_hash]
+        del cache["look:" + page.content_hash]  # evicted
+    assert match_near() == (near.content_hash, "new")
+    with diskcache.Cache(str(tmp_path / "cache" / "features")) as cache:
+        cache["look:" + page.content_hash] = look
+        del cache["phash:" + near.content_hash]  # the last call indexed the near copy
+        for band in bands(page.phash):  # as an older version wrote them
+            cache["band:" + band] = json.dumps([[page.content_hash, page.phash]]).encode()
+    assert match_near() == (near.content_hash, "new")
 
 
 def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
-    """The writer thread indexes queued pages a batch per transaction; the band entries are
-    the same as when each page is written alone, in order, the oldest dropped past 64."""
+    """The writer thread indexes queued pages a batch per transaction; the band and layer
+    entries are the same as when each page is written alone, in order, the oldest dropped
+    past 64."""
     import random
+    from types import SimpleNamespace
 
     rng = random.Random(7)
     shared = "".join(rng.choice("0123456789abcdef") for _ in range(256))
     pages = []  # 100 pages sharing 12 of their 16 bands, as same-layout pages do
     for i in range(100):
         own = "".join(rng.choice("0123456789abcdef") for _ in range(64))
-        pages.append((f"{i:064x}", shared[:192] + own, f"text {i}" if i % 2 else None))
+        pages.append(SimpleNamespace(content_hash=f"{i:064x}", phash=shared[:192] + own,
+                                     text_layer=f"text {i % 3}" if i % 2 else None,
+                                     drawings=None, thumb=bytes([i]) * 1024, compare_png=None))
 
-    def band_entries(folder):
+    def layer(page):
+        return layer_key(page.text_layer, page.drawings)
+
+    def entries(folder):
         with diskcache.Cache(str(folder / "features")) as cache:
             return {k: cache[k] for k in cache.iterkeys() if not k.startswith("image:")}
 
     alone = FeatureCache(tmp_path / "alone", index_in_background=False)
-    for content_hash, phash, text in pages:
-        alone.add(content_hash, phash, bands(phash), text)
+    for page in pages:
+        alone.add(page, bands(page.phash), layer(page))
     alone.close()
 
     batched = FeatureCache(tmp_path / "batched")
     transactions = []
     write_index = batched._write_index
     batched._write_index = lambda items: (transactions.append(len(items)), write_index(items))
-    for content_hash, phash, text in pages:
-        batched._pending.put((content_hash, phash, tuple(bands(phash)), text, None))
-    batched._pending.put(None)
-    batched._write_loop()  # the writer thread's loop, run here over a full queue
+    for page in pages:
+        batched.add(page, bands(page.phash), layer(page))
     batched.close()
 
-    assert transactions == [64, 36]
-    entries = band_entries(tmp_path / "batched")
-    assert entries == band_entries(tmp_path / "alone")
-    shared_band = json.loads(entries["band:" + bands(pages[0][1])[0]])
-    assert [h for h, _ in shared_band] == [h for h, _, _ in pages[-64:]]
+    assert sum(transactions) == 100 and max(transactions) <= 64
+    found = entries(tmp_path / "batched")
+    assert found == entries(tmp_path / "alone")
+    shared_band = json.loads(found["band:" + bands(pages[0].phash)[0]])
+    assert [m[0] for m in shared_band] == [p.content_hash for p in pages[-64:]]
+    one_layer = json.loads(found["layer:" + layer(pages[1])])
+    assert [m[0] for m in one_layer] == [p.content_hash for p in pages if layer(p) == layer(pages[1])]
 
 
-def test_page_hash_index_finds_what_a_scan_of_every_pair_finds():
-    """The compact index (sorted arrays, a tail merged every few thousand pages; older pages
-    spilled to SQLite) returns exactly the pages a brute-force scan finds: an equal band and
-    within the distance, from memory and disk alike."""
+def test_page_hash_index_finds_what_a_scan_of_every_page_finds():
+    """This run's index, from memory and from its spilled part alike, returns what a scan of
+    every page finds: pages of the same layer key, and pages without one within the pHash
+    distance (any page, for a query without a layer), nearest thumbnail first, at most
+    `keep`. Spilled pages are looked up through bounded per-key queries."""
     import random
 
     from vlbatch.pipeline.dedupe import hamming
-    from vlbatch.pipeline.hashindex import TAIL, PageHashIndex
+    from vlbatch.pipeline.hashindex import PageHashIndex
 
     rng = random.Random(7)
-    merged, spilled, pages = PageHashIndex(), PageHashIndex(hot_pages=2500), []
-    for i in range(TAIL + 1500):  # past one merge, past six spills
-        if pages and rng.random() < 0.3:  # a near copy of an earlier page: a few bits flipped
+    memory, spilled, pages = PageHashIndex(), PageHashIndex(hot_pages=50), []
+    layers = [None, None] + [f"{k:032x}" for k in range(1, 9)]  # each under MAX_SAME_LAYER
+    for i in range(400):
+        if pages and rng.random() < 0.5:  # a near copy of an earlier page: a few bits flipped
             value = int(rng.choice(pages)[1], 16)
-            for _ in range(rng.randint(0, 30)):
+            for _ in range(rng.randint(0, 12)):
                 value ^= 1 << rng.randrange(256)
         else:
             value = rng.getrandbits(256)
-        content, phash = f"{rng.getrandbits(256):064x}", f"{value:064x}"
-        if i % 97 == 0:
-            expected = sorted((hamming(phash, p), c) for c, p in pages
-                              if hamming(phash, p) <= 20 and set(bands(phash)) & set(bands(p)))
-            assert merged.near(phash, 20) == expected
-            assert spilled.near(phash, 20) == expected
-        merged.add(content, phash)
-        spilled.add(content, phash)
-        pages.append((content, phash))
-    for index in (merged, spilled):
+        content, phash, layer = f"{rng.getrandbits(256):064x}", f"{value:064x}", rng.choice(layers)
+        thumb = bytes([rng.randrange(256)]) * 1024  # flat: the distance is one number
+        if i % 13 == 0:
+            expected = sorted(
+                (abs(t[0] - thumb[0]), c) for c, p, lay, t in pages
+                if (layer is not None and lay == layer)
+                or (lay is None or layer is None) and hamming(phash, p) <= 12 and
+                (layer is None or lay is None))
+            for index in (memory, spilled):
+                found = index.near(phash, 12, layer, thumb, keep=5)
+                assert [c.thumb_peak for c in found] == [d for d, _ in expected[:5]]
+                assert {(c.thumb_peak, c.content_hash) for c in found} <= set(expected)
+        for index in (memory, spilled):
+            index.add(content, phash, layer, thumb)
+        pages.append((content, phash, layer, thumb))
+    for index in (memory, spilled):
         assert len(index) == len(pages)
-        assert all(c in index for c, _ in pages[::50]) and f"{1:064x}" not in index
-    assert merged.nbytes() < 400 * len(pages)  # bytes a page (the old dicts: about 6,000)
-    assert spilled.nbytes() < 400 * 2500  # memory for the hot pages only
+        assert all(c in index for c, *_ in pages[::50]) and f"{1:064x}" not in index
+    assert memory.nbytes() < 1600 * 1024  # arrays for 1,024 pages: a thumbnail and 300 bytes each
+    assert spilled.nbytes() < 1600 * 1024  # memory for the hot pages only
     folder = spilled.spilled.folder.name
     spilled.close()
     assert not Path(folder).exists()

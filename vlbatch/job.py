@@ -193,6 +193,13 @@ class Dedupe(_Strict):
                                   "the largest 8x8 block difference (re-renders: up to ~36).")
     max_peak_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check: how far the "
                                   "largest block difference may stand out above the 20th.")
+    max_spread_diff: float = Field(default=40.0, ge=0.0, le=255.0, description="Pixel check: "
+                                   "the 20th largest 8x8 block difference, an absolute bound "
+                                   "for changes spread over the page (re-renders: up to ~32).")
+    max_colour_diff: float = Field(default=40.0, ge=0.0, le=510.0, description="Pixel check: "
+                                   "the largest 8x8 block difference of colour alone (|Cb| + "
+                                   "|Cr|; re-renders and JPEG: up to ~23; red against green "
+                                   "of the same grey: 182).")
 
 
 class EngineSettings(_Strict):

@@ -30,7 +30,7 @@ PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "row_error": pa.string(), "cost_s": pa.float64(), "width": pa.int32(),
     "height": pa.int32(), "rgb": pa.binary(), "text_layer": pa.string(),
     "drawings": pa.string(), "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
-    "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
+    "thumb": pa.binary(), "compare_png": pa.binary(), "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
 }
 ROUTED_COLUMNS = {"routes": pa.string()}
 ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64()}
@@ -58,7 +58,8 @@ def outcome_columns(outcome: RenderedPage | RenderFailure) -> dict:
             "rgb": outcome.rgb, "text_layer": outcome.text_layer, "drawings": outcome.drawings,
             "content_hash": outcome.content_hash, "phash": outcome.phash,
             "from_cache": outcome.from_cache, "healed": outcome.healed,
-            "render_s": outcome.render_s}
+            "render_s": outcome.render_s, "thumb": outcome.thumb,
+            "compare_png": outcome.compare_png}
 
 
 def outcome_of(row: dict) -> RenderedPage | RenderFailure:
@@ -66,7 +67,8 @@ def outcome_of(row: dict) -> RenderedPage | RenderFailure:
         return RenderFailure(row["error"], row["row_error"] or row["error"], row["cost_s"] or 0.0)
     return RenderedPage(row["width"], row["height"], row["rgb"] or b"", row["text_layer"],
                         row["content_hash"], row["phash"], bool(row["from_cache"]),
-                        row["render_s"] or 0.0, bool(row["healed"]), row.get("drawings"))
+                        row["render_s"] or 0.0, bool(row["healed"]), row.get("drawings"),
+                        compare_png=row.get("compare_png"), thumb=row.get("thumb") or b"")
 
 
 # ----- a routed page (with the answers generated for it) as JSON, and back -----

@@ -8,6 +8,7 @@ folder can be shared; an entry that does not decode is dropped, counted and reco
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import threading
@@ -123,30 +124,40 @@ class FeatureCache(_JsonEntries):
     def page_key(source_sha256: str, page: int, dpi: int, min_pixels: int, max_pixels: int) -> str:
         return f"page:{source_sha256}:{page}:{dpi}:{min_pixels}:{max_pixels}"
 
-    def get_page(self, key: str) -> tuple[dict, bytes] | None:
+    def get_page(self, key: str) -> tuple[dict, bytes, bytes | None] | None:
+        """(meta, the model's image as PNG, the comparison image as PNG or None); None when
+        any of them is missing, or the entry was written by a version that did not keep the
+        dedupe's view of the page (then it is rendered again)."""
         meta = self._json(key)
-        if not isinstance(meta, dict) or "content_hash" not in meta:
+        if not isinstance(meta, dict) or not {"content_hash", "thumb", "compare"} <= meta.keys():
             return None
         png = self._raw("image:" + meta["content_hash"])
-        return (meta, png) if isinstance(png, bytes) else None
+        compare = self._raw("compare:" + meta["content_hash"]) if meta["compare"] else None
+        if not isinstance(png, bytes) or (meta["compare"] and not isinstance(compare, bytes)):
+            return None
+        return meta, png, compare
 
     def has_page(self, key: str) -> bool:
         return key in self._cache
 
-    def put_page(self, key: str, meta: dict, png: bytes) -> None:
+    def put_page(self, key: str, meta: dict, png: bytes, compare: bytes | None = None) -> None:
         self._cache.set("image:" + meta["content_hash"], png)
-        self._cache.set(key, json.dumps(meta).encode())
+        if compare is not None:
+            self._cache.set("compare:" + meta["content_hash"], compare)
+        self._cache.set(key, json.dumps({**meta, "compare": compare is not None}).encode())
 
-    def image(self, content_hash: str) -> tuple[object, str | None, str | None] | None:
-        """(PIL image, text layer, drawings digest) of a page seen before, for the dedupe's
-        check."""
+    def comparison(self, content_hash: str) -> tuple[object, str | None, str | None] | None:
+        """(comparison image, text layer, drawings digest) of a canonical page of an earlier
+        run, for the dedupe's pixel check; None where any of them cannot be read (an entry
+        evicted, damaged, or written by a version without them): then no merge."""
         import io
 
         from PIL import Image
 
-        png = self._raw("image:" + content_hash)
-        text = self._json("text:" + content_hash)
-        drawings = self._json("drawings:" + content_hash)
+        look = self._json("look:" + content_hash)
+        if not isinstance(look, dict) or not {"text", "drawings", "compare"} <= look.keys():
+            return None
+        png = self._raw(("compare:" if look["compare"] else "image:") + content_hash)
         if not isinstance(png, bytes):
             return None
         try:
@@ -154,34 +165,39 @@ class FeatureCache(_JsonEntries):
             image.load()
         except Exception:
             self.corrupt += 1
-            self._cache.delete("image:" + content_hash)
             return None
-        return (image.convert("RGB"), text if isinstance(text, str) else None,
-                drawings if isinstance(drawings, str) else None)
+        return image.convert("RGB"), look["text"], look["drawings"]
 
-    # the band index (dedupe.Deduper's `index`)
-    def members(self, band: str) -> list[tuple[str, str | None]]:
-        """(content hash, perceptual hash) of the canonical pages with this band; the
-        perceptual hash is None in entries written before it was stored with them."""
-        found = self._json("band:" + band)
+    # the band and layer index (dedupe.Deduper's `index`)
+    def members(self, key: str) -> list[tuple[str, str, str | None, bytes]]:
+        """(content hash, perceptual hash, layer key, thumbnail) of the canonical pages under
+        a "band:..." or "layer:..." key; entries written by a version that did not store all
+        four are left out (no merge without the safeguards)."""
+        found = self._json(key)
         if not isinstance(found, list):
             return []
-        return [(m, None) if isinstance(m, str) else (m[0], m[1]) for m in found
-                if isinstance(m, str) or (isinstance(m, list) and len(m) == 2)]
+        members = []
+        for m in found:
+            if isinstance(m, list) and len(m) == 4 and isinstance(m[3], str):
+                try:
+                    members.append((m[0], m[1], m[2], base64.b64decode(m[3])))
+                except ValueError:
+                    continue
+        return members
 
     def phash(self, content_hash: str) -> str | None:
         found = self._json("phash:" + content_hash)
         return found if isinstance(found, str) else None
 
-    def add(self, content_hash: str, phash: str, bands: list[str],
-            text_layer: str | None = None, drawings: str | None = None) -> None:
-        """Index a canonical page under its perceptual-hash bands, in a background thread
-        (indexing inline cost the route stage 12% of W1 throughput on the H200 when it
-        shared the engine's thread). The dedupe keeps this run's pages in memory, so it
-        never waits for these writes."""
-        page = (content_hash, phash, tuple(bands), text_layer, drawings)
+    def add(self, page, bands: list[str], layer: str | None) -> None:
+        """Index a canonical page (a RenderedPage) under its perceptual-hash bands and its
+        layer key, in a background thread (indexing inline cost the route stage 12% of W1
+        throughput on the H200 when it shared the engine's thread). The dedupe keeps this
+        run's pages in memory, so it never waits for these writes."""
+        entry = (page.content_hash, page.phash, tuple(bands), layer, page.text_layer,
+                 page.drawings, page.thumb, page.compare_png)
         if not self.index_in_background:
-            self._write_index([page])
+            self._write_index([entry])
             return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="vlbatch-index",
@@ -190,7 +206,7 @@ class FeatureCache(_JsonEntries):
         while True:
             self._check_writer()
             try:
-                self._pending.put(page, timeout=0.5)
+                self._pending.put(entry, timeout=0.5)
                 return
             except queue.Full:
                 continue
@@ -219,24 +235,28 @@ class FeatureCache(_JsonEntries):
             if batch[-1] is None:  # after an error the queue is still drained, so nothing waits
                 return
 
-    def _write_index(self, pages: list[tuple[str, str, tuple[str, ...], str | None, str | None]]
-                     ) -> None:
-        joining: dict[str, list[tuple[str, str]]] = {}  # band -> pages joining it, in order
+    def _write_index(self, pages: list[tuple]) -> None:
+        joining: dict[str, list[list]] = {}  # band or layer -> pages joining it, in order
         with self._cache.transact():
-            for content_hash, phash, page_bands, text_layer, drawings in pages:
+            for content_hash, phash, page_bands, layer, text, drawings, thumb, compare in pages:
                 self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
-                self._cache.set("text:" + content_hash, json.dumps(text_layer).encode())
-                self._cache.set("drawings:" + content_hash, json.dumps(drawings).encode())
-                for band in page_bands:
-                    joining.setdefault(band, []).append((content_hash, phash))
-            for band, new in joining.items():
-                members = self.members(band)
-                known = {h for h, _ in members}
-                added = list({h: p for h, p in new if h not in known}.items())  # each page once
+                if compare is not None:
+                    self._cache.set("compare:" + content_hash, compare)
+                self._cache.set("look:" + content_hash, json.dumps(
+                    {"text": text, "drawings": drawings, "compare": compare is not None}).encode())
+                member = [content_hash, phash, layer, base64.b64encode(thumb).decode()]
+                for key in ["band:" + band for band in page_bands] + (
+                        ["layer:" + layer] if layer is not None else []):
+                    joining.setdefault(key, []).append(member)
+            for key, new in joining.items():
+                found = self._json(key)
+                members = [m for m in found if isinstance(m, list) and len(m) == 4] \
+                    if isinstance(found, list) else []
+                known = {m[0] for m in members}
+                added = list({m[0]: m for m in new if m[0] not in known}.values())  # each once
                 if added:
                     members = (members + added)[-self.MAX_BAND_MEMBERS:]
-                    self._cache.set("band:" + band, json.dumps(
-                        [h if p is None else [h, p] for h, p in members]).encode())
+                    self._cache.set(key, json.dumps(members).encode())
 
     def close(self) -> None:
         """Finish the index writes; JobCannotRunError if the writer could not write them."""

@@ -1,84 +1,51 @@
-"""hashindex: this run's pages by content hash and perceptual-hash band. The newest
-HOT_PAGES pages live in numpy arrays (about 300 bytes a page, against about 6 KB in dicts of
-strings); older ones are spilled to an SQLite file in a temporary folder, so the dedupe's
-memory stays flat at 100,000 pages and beyond.
+"""hashindex: this run's canonical pages, for the dedupe's lookups, at a cost per lookup that
+does not grow with the run.
 
-A page's 256-bit pHash is cut into 16 bands of 16 bits (`dedupe.bands`); two pages within
-Hamming distance 15 share at least one band, so the pages sharing a band with a new page are
-its only candidates. Lookups are binary searches in sorted arrays plus a scan of a short
-unsorted tail, merged into the sorted part when it fills up.
+Per page: its content hash (exact copies), its 256-bit pHash, its layer key (a PDF page's
+text and drawings digest, `dedupe.layer_key`; 0 for a page without a text layer) and its
+32x32 thumbnail (`imaging.thumbnail`). A lookup returns the candidates for a near copy:
+- a page with a layer key: the pages with the same key (an exact match: pages with other
+  text or drawings are never candidates), and pages without one (raster copies) within the
+  pHash distance;
+- a page without: every page within the pHash distance,
+each list bounded (`MAX_SAME_LAYER`, `MAX_SPILLED`), nearest thumbnail first.
+
+The newest HOT_PAGES pages live in numpy arrays and are searched by brute force (a few
+microseconds a thousand pages); older ones are spilled to an SQLite file in a temporary
+folder, searched through indexes with per-key limits, so memory stays flat at 100,000 pages
+and beyond, and a lookup costs at most HOT_PAGES vector operations and a few bounded queries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-TAIL = 16384  # entries before they are merged into the sorted arrays
-BANDS = 16
+BANDS = 16  # the spilled pages' pHash bands: two pages within distance 15 share one
 HOT_PAGES = 16384  # pages kept in memory before they are spilled to disk
+MAX_SAME_LAYER = 64  # spilled pages with the query's layer key looked at, newest first
+MAX_SPILLED = 64  # spilled pages per pHash band looked at, newest first
+THUMB_BYTES = 32 * 32
 
 
-class SortedMultimap:
-    """uint64 key -> uint32 rows, many rows a key: sorted arrays, and a small dict of the
-    latest entries (at most TAIL) merged into them when it fills up."""
-
-    def __init__(self):
-        self.keys = np.empty(0, np.uint64)
-        self.rows = np.empty(0, np.uint32)
-        self.tail: dict[int, list[int]] = {}
-        self.tail_size = 0
-
-    def add(self, keys, row: int) -> None:
-        for key in keys:
-            self.tail.setdefault(int(key), []).append(row)
-        self.tail_size += len(keys)
-        if self.tail_size >= TAIL:
-            self._merge()
-
-    def _merge(self) -> None:
-        tail_keys = [key for key, rows in self.tail.items() for _ in rows]
-        tail_rows = [row for rows in self.tail.values() for row in rows]
-        new_keys, new_rows = np.array(tail_keys, np.uint64), np.array(tail_rows, np.uint32)
-        by_key = np.argsort(new_keys, kind="stable")
-        new_keys, new_rows = new_keys[by_key], new_rows[by_key]
-        at = np.searchsorted(self.keys, new_keys, side="right")  # after equal keys: row order
-        self.keys, self.rows = np.insert(self.keys, at, new_keys), np.insert(self.rows, at, new_rows)
-        self.tail, self.tail_size = {}, 0
-
-    def rows_of(self, keys) -> np.ndarray:
-        """The rows under any of `keys`, each once, in the order they were added."""
-        keys = np.asarray(keys, np.uint64)
-        starts = np.searchsorted(self.keys, keys, side="left")
-        ends = np.searchsorted(self.keys, keys, side="right")
-        found = [self.rows[a:b] for a, b in zip(starts.tolist(), ends.tolist()) if b > a]
-        for key in keys.tolist():
-            if key in self.tail:
-                found.append(np.array(self.tail[key], np.uint32))
-        if not found:
-            return np.empty(0, np.uint32)
-        return np.unique(np.concatenate(found))
-
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.rows.nbytes + 120 * self.tail_size
+@dataclass(frozen=True)
+class Candidate:
+    content_hash: str
+    thumb_distance: float  # mean absolute difference of the thumbnails (0-255)
+    thumb_peak: int  # the largest cell difference (0-255)
 
 
-class _Growing:
-    """A 2-D numpy array that grows by doubling."""
-
-    def __init__(self, width: int, dtype):
-        self.data = np.empty((1024, width), dtype)
-        self.size = 0
-
-    def append(self, values: np.ndarray) -> int:
-        if self.size == len(self.data):
-            self.data = np.concatenate([self.data, np.empty_like(self.data)])
-        self.data[self.size] = values
-        self.size += 1
-        return self.size - 1
+def layer_word(layer: str | None) -> int:
+    """A layer key as a non-zero int64 (0: no layer)."""
+    if not layer:
+        return 0
+    digest = hashlib.blake2b(layer.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") & 0x7FFF_FFFF_FFFF_FFFF) or 1
 
 
 def _popcount(words: np.ndarray) -> np.ndarray:
@@ -92,58 +59,88 @@ def _hex_words(text: str, words: int) -> np.ndarray:
     return np.frombuffer(bytes.fromhex(text.rjust(16 * words, "0")), ">u8").astype(np.uint64)
 
 
-def _band_keys_of(words: np.ndarray) -> np.ndarray:
-    """Each pHash's (rows of 4 words) band keys: band number << 16 | the band's 16 bits."""
+def _band_keys(words: np.ndarray) -> list[int]:
+    """A pHash's (4 words) band keys: band number << 16 | the band's 16 bits."""
     shifts = np.arange(3, -1, -1, dtype=np.uint64) * np.uint64(16)
-    values = (words[:, :, None] >> shifts[None, None, :]) & np.uint64(0xFFFF)  # 4 words x 4 bands
-    return (np.arange(BANDS, dtype=np.uint64) << np.uint64(16)) | values.reshape(len(words), BANDS)
+    values = ((words[:, None] >> shifts[None, :]) & np.uint64(0xFFFF)).reshape(BANDS)
+    return [(band << 16) | int(v) for band, v in enumerate(values.tolist())]
+
+
+def _thumb(thumb: bytes) -> np.ndarray:
+    """A thumbnail as an array; one that is missing or damaged ranks as a black page (the
+    pixel check still decides)."""
+    found = np.frombuffer(thumb or b"", np.uint8)
+    return found if found.size == THUMB_BYTES else np.full(THUMB_BYTES, 0, np.uint8)
+
+
+def thumbs_of(thumbs: list[bytes]) -> np.ndarray:
+    return np.array([_thumb(t) for t in thumbs], np.uint8).reshape(-1, THUMB_BYTES)
+
+
+class _Growing:
+    """A 2-D numpy array that grows by doubling."""
+
+    def __init__(self, width: int, dtype):
+        self.data = np.empty((1024, width), dtype)
+        self.size = 0
+
+    def append(self, values) -> int:
+        if self.size == len(self.data):
+            self.data = np.concatenate([self.data, np.empty_like(self.data)])
+        self.data[self.size] = values
+        self.size += 1
+        return self.size - 1
+
+    def view(self) -> np.ndarray:
+        return self.data[:self.size]
 
 
 class _HotPages:
-    """The newest pages, in memory: content hashes (exact copies) and pHashes (the
-    candidates for near copies)."""
+    """The newest pages, in memory."""
 
     def __init__(self):
         self.content = _Growing(32, np.uint8)  # sha256 of the pixels
         self.phashes = _Growing(4, np.uint64)  # 256 bits
-        self.by_content = SortedMultimap()  # its first 8 bytes -> rows
-        self.by_band = SortedMultimap()  # band number << 16 | band value -> rows
+        self.layers = _Growing(1, np.int64)
+        self.thumbs = _Growing(THUMB_BYTES, np.uint8)
+        self.by_content: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return self.content.size
 
-    @staticmethod
-    def _band_keys(words: np.ndarray) -> np.ndarray:
-        return _band_keys_of(words[None, :])[0]
-
-    def add(self, content_hash: str, phash: str) -> None:
+    def add(self, content_hash: str, phash: str, layer: int, thumb: bytes) -> None:
         digest = bytes.fromhex(content_hash)
-        words = _hex_words(phash, 4)
-        row = self.content.append(np.frombuffer(digest, np.uint8))
-        self.phashes.append(words)
-        self.by_content.add([int.from_bytes(digest[:8], "big")], row)
-        self.by_band.add(self._band_keys(words), row)
+        self.by_content[digest] = self.content.append(np.frombuffer(digest, np.uint8))
+        self.phashes.append(_hex_words(phash, 4))
+        self.layers.append(layer)
+        self.thumbs.append(_thumb(thumb))
 
-    def __contains__(self, content_hash: str) -> bool:
-        digest = np.frombuffer(bytes.fromhex(content_hash), np.uint8)
-        rows = self.by_content.rows_of([int.from_bytes(digest[:8].tobytes(), "big")])
-        return any(np.array_equal(self.content.data[r], digest) for r in rows)
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self.by_content
 
-    def near(self, phash: str, max_distance: int) -> list[tuple[int, str]]:
-        """(Hamming distance, content hash) of the pages sharing a band with `phash` and
-        within `max_distance` of it, nearest first."""
-        words = _hex_words(phash, 4)
-        rows = self.by_band.rows_of(self._band_keys(words))
-        if rows.size == 0:
-            return []
-        distances = _popcount(self.phashes.data[rows] ^ words).sum(axis=1)
-        close = distances <= max_distance
-        return sorted((int(d), self.content.data[r].tobytes().hex())
-                      for d, r in zip(distances[close], rows[close]))
+    def near(self, words: np.ndarray, max_distance: int, layer: int) -> np.ndarray:
+        """Rows of the candidates (see the module's docstring)."""
+        if not len(self):
+            return np.empty(0, np.int64)
+        layers = self.layers.view()[:, 0]
+        close = _popcount(self.phashes.view() ^ words).sum(axis=1) <= max_distance
+        if layer:
+            close = (close & (layers == 0)) | (layers == layer)
+        return np.flatnonzero(close)
 
-    def nbytes(self) -> int:
-        return (self.content.data.nbytes + self.phashes.data.nbytes
-                + self.by_content.nbytes() + self.by_band.nbytes())
+
+
+class _Rows:
+    """The content hashes of some hot rows, as a list that builds only the items read."""
+
+    def __init__(self, hot: _HotPages, rows: np.ndarray):
+        self.hot, self.rows = hot, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i) -> bytes:
+        return self.hot.content.data[self.rows[i]].tobytes()
 
 
 class _SpilledPages:
@@ -154,40 +151,72 @@ class _SpilledPages:
         self.db = sqlite3.connect(Path(self.folder.name) / "pages.sqlite", check_same_thread=False)
         self.db.executescript(
             "PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"
-            "CREATE TABLE pages (id INTEGER PRIMARY KEY, content BLOB UNIQUE, phash BLOB);"
+            "CREATE TABLE pages (id INTEGER PRIMARY KEY, content BLOB UNIQUE, phash BLOB,"
+            " layer INTEGER, thumb BLOB);"
+            "CREATE INDEX pages_layer ON pages (layer, id);"
             "CREATE TABLE bands (key INTEGER, id INTEGER);"
-            "CREATE INDEX bands_key ON bands (key);")
+            "CREATE INDEX bands_key ON bands (key, id);")
         self.size = 0
 
     def add(self, hot: _HotPages) -> None:
         """The hot pages, row by row (no list of them all in memory)."""
         n, first = len(hot), self.size
-        keys = _band_keys_of(hot.phashes.data[:n]).astype(np.int64)  # n x BANDS
+        phashes = hot.phashes.view()
         with self.db:
-            self.db.executemany("INSERT INTO pages VALUES (?, ?, ?)", (
-                (first + r, hot.content.data[r].tobytes(), hot.phashes.data[r].astype(">u8").tobytes())
-                for r in range(n)))
+            self.db.executemany("INSERT INTO pages VALUES (?, ?, ?, ?, ?)", (
+                (first + r, hot.content.data[r].tobytes(), phashes[r].astype(">u8").tobytes(),
+                 int(hot.layers.data[r, 0]), hot.thumbs.data[r].tobytes()) for r in range(n)))
             self.db.executemany("INSERT INTO bands VALUES (?, ?)", (
-                (int(key), first + r) for r in range(n) for key in keys[r].tolist()))
+                (key, first + r) for r in range(n) for key in _band_keys(phashes[r])))
         self.size += n
 
     def __contains__(self, digest: bytes) -> bool:
         return self.db.execute("SELECT 1 FROM pages WHERE content = ?", (digest,)).fetchone() is not None
 
-    def near(self, words: np.ndarray, max_distance: int) -> list[tuple[int, str]]:
-        keys = [int(k) for k in _HotPages._band_keys(words).astype(np.int64)]
-        found = self.db.execute(
-            "SELECT content, phash FROM pages WHERE id IN (SELECT id FROM bands WHERE key IN "
-            f"({','.join('?' * len(keys))}))", keys).fetchall()
-        if not found:
-            return []
-        others = np.frombuffer(b"".join(p for _, p in found), ">u8").astype(np.uint64).reshape(-1, 4)
-        distances = _popcount(others ^ words).sum(axis=1)
-        return [(int(d), c.hex()) for d, (c, _) in zip(distances, found) if d <= max_distance]
+    def near(self, words: np.ndarray, max_distance: int, layer: int
+             ) -> tuple[list[bytes], np.ndarray]:
+        """(content hashes, thumbnails) of the candidates, each query bounded."""
+        ids = set()
+        if layer:
+            ids.update(i for (i,) in self.db.execute(
+                "SELECT id FROM pages WHERE layer = ? ORDER BY id DESC LIMIT ?",
+                (layer, MAX_SAME_LAYER)))
+        band_ids = set()
+        for key in _band_keys(words):
+            band_ids.update(i for (i,) in self.db.execute(
+                "SELECT id FROM bands WHERE key = ? ORDER BY id DESC LIMIT ?", (key, MAX_SPILLED)))
+        rows = self.db.execute(
+            f"SELECT id, content, phash, layer, thumb FROM pages WHERE id IN "
+            f"({','.join('?' * len(ids | band_ids))})", sorted(ids | band_ids)).fetchall()
+        content, thumbs = [], []
+        for i, digest, phash, page_layer, thumb in rows:
+            if i not in ids:  # by band: within the distance, and without a layer for a query with one
+                other = np.frombuffer(phash, ">u8").astype(np.uint64)
+                if int(_popcount(other ^ words).sum()) > max_distance or (layer and page_layer):
+                    continue
+            content.append(digest)
+            thumbs.append(_thumb(thumb))
+        return content, np.array(thumbs, np.uint8).reshape(-1, THUMB_BYTES)
 
     def close(self) -> None:
         self.db.close()
         self.folder.cleanup()
+
+
+def rank(content: list[bytes], thumbs: np.ndarray, thumb: bytes, keep: int) -> list[Candidate]:
+    """The `keep` candidates nearest by thumbnail: smallest largest cell difference first
+    (a re-render stays within a few levels in every cell, a page with another field does
+    not), then smallest mean difference."""
+    if not content:
+        return []
+    query = _thumb(thumb)
+    diff = np.maximum(thumbs, query)
+    diff -= np.minimum(thumbs, query)  # |a - b| in uint8
+    peaks = diff.max(axis=1)
+    best = np.argsort(peaks, kind="stable")[:keep]
+    means = diff[best].mean(axis=1)
+    order = sorted(range(len(best)), key=lambda i: (int(peaks[best[i]]), float(means[i])))
+    return [Candidate(content[best[i]].hex(), float(means[i]), int(peaks[best[i]])) for i in order]
 
 
 class PageHashIndex:
@@ -203,8 +232,8 @@ class PageHashIndex:
     def __len__(self) -> int:
         return len(self.hot) + (self.spilled.size if self.spilled else 0)
 
-    def add(self, content_hash: str, phash: str) -> None:
-        self.hot.add(content_hash, phash)
+    def add(self, content_hash: str, phash: str, layer: str | None = None, thumb: bytes = b"") -> None:
+        self.hot.add(content_hash, phash, layer_word(layer), thumb)
         if len(self.hot) >= self.hot_pages:
             if self.spilled is None:
                 self.spilled = _SpilledPages(self.spill_folder)
@@ -212,21 +241,27 @@ class PageHashIndex:
             self.hot = _HotPages()
 
     def __contains__(self, content_hash: str) -> bool:
-        if content_hash in self.hot:
-            return True
-        return self.spilled is not None and bytes.fromhex(content_hash) in self.spilled
+        digest = bytes.fromhex(content_hash)
+        return digest in self.hot or (self.spilled is not None and digest in self.spilled)
 
-    def near(self, phash: str, max_distance: int) -> list[tuple[int, str]]:
-        """(Hamming distance, content hash) of the pages sharing a band with `phash` and
-        within `max_distance` of it, nearest first."""
-        found = self.hot.near(phash, max_distance)
+    def near(self, phash: str, max_distance: int, layer: str | None = None,
+             thumb: bytes = b"", keep: int = 8) -> list[Candidate]:
+        """The `keep` candidates for a near copy of a page nearest by thumbnail (see the
+        module's docstring and `rank`)."""
+        words, word = _hex_words(phash, 4), layer_word(layer)
+        rows = self.hot.near(words, max_distance, word)
+        found = rank(_Rows(self.hot, rows), self.hot.thumbs.data[rows], thumb, keep)
         if self.spilled is not None:
-            found = sorted(found + self.spilled.near(_hex_words(phash, 4), max_distance))
-        return found
+            content, thumbs = self.spilled.near(words, max_distance, word)
+            found += rank(content, thumbs, thumb, keep)
+            found.sort(key=lambda c: (c.thumb_peak, c.thumb_distance))
+        return found[:keep]
 
     def nbytes(self) -> int:
         """Bytes in memory (the spilled pages are on disk)."""
-        return self.hot.nbytes()
+        hot = self.hot
+        return (hot.content.data.nbytes + hot.phashes.data.nbytes + hot.layers.data.nbytes
+                + hot.thumbs.data.nbytes + 150 * len(hot.by_content))
 
     def close(self) -> None:
         if self.spilled is not None:

@@ -9,6 +9,9 @@ import math
 from PIL import Image, ImageOps
 
 # Qwen3-VL: 16-pixel patches merged 2x2, so one image token per 32x32 pixels.
+COMPARE_LONG_SIDE = 1344  # pixels: the dedupe compares pages at most this large
+COMPARE_PIXELS = 1280 * 32 * 32  # and fitted to at least this budget, whatever the model's
+THUMB_SIDE = 32  # the thumbnail the dedupe ranks candidates by: 32x32 grey cell means
 IMAGE_FACTOR = 32
 MAX_ASPECT_RATIO = 200  # the model's processor refuses more extreme pages
 
@@ -78,3 +81,19 @@ def perceptual_hash(image: Image.Image) -> str:
     import imagehash
 
     return str(imagehash.phash(image, hash_size=16))
+
+
+def comparison_budget(min_pixels: int, max_pixels: int) -> tuple[int, int] | None:
+    """(min_pixels, max_pixels) the dedupe's view of a page is fitted to: COMPARE_PIXELS,
+    where the model's budget is smaller; None where the model's image serves (the pixel
+    check's thresholds are measured at this budget: scripts/bench_dedupe.py)."""
+    if max_pixels >= COMPARE_PIXELS:
+        return None
+    return min(min_pixels, COMPARE_PIXELS), COMPARE_PIXELS
+
+
+def thumbnail(image: Image.Image) -> bytes:
+    """THUMB_SIDE x THUMB_SIDE grey cell means (bytes): re-renders and re-encodings of a page
+    give nearly the same, pages of one template that differ in a field do not, so the dedupe
+    ranks its candidates by it before any pixel check."""
+    return image.convert("L").resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX).tobytes()

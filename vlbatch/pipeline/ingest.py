@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import math
 import os
 import time
@@ -55,6 +56,10 @@ class RenderedPage:
     healed: bool = False  # its feature-cache entry was damaged, so it was rendered again
     drawings: str | None = None  # PDF pages: digest of where they draw (drawings_digest)
     built: Image.Image | None = field(default=None, repr=False, compare=False)
+    # the dedupe's view (imaging.comparison_budget): the page at the comparison budget as
+    # PNG where the model's budget is smaller, and the 32x32 grey thumbnail of it
+    compare_png: bytes | None = field(default=None, repr=False)
+    thumb: bytes = field(default=b"", repr=False)
 
     def image(self) -> Image.Image:
         if self.built is not None:
@@ -68,7 +73,14 @@ class RenderedPage:
 
     def metadata(self) -> RenderedPage:
         """The page without its pixels (for rows and counters)."""
-        return dataclasses.replace(self, rgb=b"", built=None)
+        return dataclasses.replace(self, rgb=b"", built=None, compare_png=None)
+
+    def comparison(self) -> Image.Image:
+        """The page as the dedupe's pixel check sees it: at its comparison size."""
+        if self.compare_png is None:
+            return self.image()
+        with Image.open(io.BytesIO(self.compare_png)) as image:
+            return image.convert("RGB")
 
 
 def file_kind(path: str) -> str:
@@ -171,21 +183,52 @@ def drawings_digest(pdf_page) -> str | None:
     from MuPDF's bbox log; text is left to the text layer). Two renders of one page have the
     same; a tick, a strike, a signature, a stamp or a speck adds an operation, however few
     pixels it leaves at a coarse resolution, so the dedupe never merges pages whose digests
-    differ. None where MuPDF cannot list them (the pixel check alone decides)."""
+    differ. Boxes are taken relative to the page box (to 1/10,000 of its side), so the same
+    page scaled onto a larger page box has the same digest. None where MuPDF cannot list
+    them (the pixel check alone decides)."""
     try:
-        marks = sorted((kind, *(round(v, 1) for v in box)) for kind, box in pdf_page.get_bboxlog()
+        page_box = pdf_page.rect
+        x0, y0, width, height = page_box.x0, page_box.y0, page_box.width, page_box.height
+        marks = sorted((kind, round((box[0] - x0) / width, 4), round((box[1] - y0) / height, 4),
+                        round((box[2] - x0) / width, 4), round((box[3] - y0) / height, 4))
+                       for kind, box in pdf_page.get_bboxlog()
                        if kind.startswith(("fill-", "stroke-")) and "text" not in kind)
     except Exception:
         return None
     return hashlib.blake2b(repr(marks).encode(), digest_size=16).hexdigest()
 
 
-def _finish(image: Image.Image, text: str | None, min_pixels: int, max_pixels: int,
-            drawings: str | None = None) -> RenderedPage:
-    image = imaging.fit_to_budget(imaging.to_rgb(image), min_pixels, max_pixels)
+def _finish(image: Image.Image, text: str | None, drawings: str | None = None,
+            compare: Image.Image | None = None) -> RenderedPage:
+    """The model's image (fitted), its hashes, and the dedupe's view of the page: `compare`
+    (fitted to the comparison budget) where the model's image is smaller, else its own."""
+    compare_png = None
+    if compare is not None and compare.size != image.size:
+        buf = io.BytesIO()
+        compare.save(buf, "PNG", compress_level=1)
+        compare_png = buf.getvalue()
+    else:
+        compare = image
     return RenderedPage(image.width, image.height, image.tobytes(), text,
                         imaging.content_hash(image), imaging.perceptual_hash(image),
-                        drawings=drawings)
+                        drawings=drawings, compare_png=compare_png,
+                        thumb=imaging.thumbnail(compare))
+
+
+def _pdf_image(pdf_page, dpi: int, min_pixels: int, max_pixels: int) -> Image.Image:
+    """The page at `dpi`, lowered when it is larger than the pixel budget (never rendered
+    big and then shrunk), then fitted to the exact model size."""
+    import pymupdf
+
+    rect = pdf_page.rect
+    zoom = dpi / 72
+    h, w = imaging.smart_resize(round(rect.height * zoom), round(rect.width * zoom),
+                                min_pixels, max_pixels)
+    zoom = min(zoom, max(w / rect.width, h / rect.height))  # render no larger than needed
+    pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
+                              colorspace=pymupdf.csRGB)
+    image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
+    return imaging.fit_to_budget(image, min_pixels, max_pixels)
 
 
 @lru_cache(maxsize=2)  # per worker process: the PDFs it rendered last
@@ -201,28 +244,24 @@ def _worker_pdf(path: str, password: str | None):
 
 
 def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
-    """Render one page at the job's DPI, lowered when the page is larger than the pixel
-    budget (never rendered big and then shrunk), then fitted to the exact model size."""
+    """Render one page for the model (at the job's DPI and pixel budget) and, where that
+    budget is below imaging.COMPARE_PIXELS, once more at that budget for the dedupe's pixel
+    check (`imaging.comparison_budget`), so its decisions do not depend on render.max_pixels."""
     dpi, min_pixels, max_pixels = settings.dpi, settings.min_pixels, settings.max_pixels
+    compare_budget = imaging.comparison_budget(min_pixels, max_pixels)
     started = time.monotonic()
     if kind == "pdf":
-        import pymupdf
-
         pdf_page = _worker_pdf(path, settings.pdf_password)[page - 1]
-        rect = pdf_page.rect
-        zoom = dpi / 72
-        h, w = imaging.smart_resize(round(rect.height * zoom), round(rect.width * zoom),
-                                    min_pixels, max_pixels)
-        zoom = min(zoom, max(w / rect.width, h / rect.height))  # render no larger than needed
-        pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
-                                  colorspace=pymupdf.csRGB)
-        image = Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
-        rendered = _finish(image, pdf_page.get_text("text"), min_pixels, max_pixels,
-                           drawings_digest(pdf_page))
+        image = _pdf_image(pdf_page, dpi, min_pixels, max_pixels)
+        compare = _pdf_image(pdf_page, dpi, *compare_budget) if compare_budget else None
+        rendered = _finish(image, pdf_page.get_text("text"), drawings_digest(pdf_page), compare)
     else:
         with _open_image(path, settings.max_image_megapixels) as image:
             if page > 1:
                 image.seek(page - 1)
             image.load()
-            rendered = _finish(image, None, min_pixels, max_pixels)
+            source = imaging.to_rgb(image)
+            compare = imaging.fit_to_budget(source, *compare_budget) if compare_budget else None
+            rendered = _finish(imaging.fit_to_budget(source, min_pixels, max_pixels), None,
+                               compare=compare)
     return dataclasses.replace(rendered, render_s=time.monotonic() - started)

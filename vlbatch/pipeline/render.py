@@ -15,6 +15,7 @@ actors take blocks out of plan order).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 from collections.abc import Callable, Iterable, Iterator
@@ -81,18 +82,19 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
     """In a worker: the page from the feature cache, else rendered (and then cached)."""
     cache, damaged = PageStore.opened if spec.feature_key else None, False
     if cache is not None:
-        hit = cache.get_page(spec.feature_key)
+        hit = cache.get_page(spec.feature_key)  # None for entries of older versions
         if hit is not None and spec.kind == "pdf" and "drawings" not in hit[0]:
             hit = None  # cached by a version without the drawings digest: rendered again
         if hit is not None:
-            meta, png = hit
+            meta, png, compare = hit
             try:
                 with Image.open(io.BytesIO(png)) as image:
                     rgb = image.convert("RGB")
                 return ingest.RenderedPage(rgb.width, rgb.height, rgb.tobytes(),
                                            meta.get("text_layer"), meta["content_hash"],
                                            meta["phash"], from_cache=True,
-                                           drawings=meta.get("drawings"))
+                                           drawings=meta.get("drawings"), compare_png=compare,
+                                           thumb=base64.b64decode(meta["thumb"]))
             except Exception:  # a damaged entry: render again, and overwrite it
                 damaged = True
     rendered = ingest.render(spec.path, spec.kind, spec.page, settings)
@@ -104,8 +106,9 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
             "content_hash": rendered.content_hash, "phash": rendered.phash,
             "text_layer": rendered.text_layer, "drawings": rendered.drawings,
             "width": rendered.width, "height": rendered.height,
+            "thumb": base64.b64encode(rendered.thumb).decode(),
             "image_tokens": (rendered.width // imaging.IMAGE_FACTOR)
-            * (rendered.height // imaging.IMAGE_FACTOR)}, buf.getvalue())
+            * (rendered.height // imaging.IMAGE_FACTOR)}, buf.getvalue(), rendered.compare_png)
     return rendered
 
 

@@ -77,9 +77,7 @@ class Router:
             return RenderFailure(self.budget.reason, self.budget.reason)
         if isinstance(outcome, RenderFailure):
             return outcome
-        canonical, relation = self.deduper.match(outcome.content_hash, outcome.phash,
-                                                 outcome.image(), outcome.text_layer,
-                                                 outcome.drawings)
+        canonical, relation = self.deduper.match(outcome)
         routes = tuple(self._route_task(task, canonical, outcome.text_layer, source, page,
                                         matched or source) for task in tasks)
         return RoutedPage(canonical, relation, routes)
