@@ -20,6 +20,7 @@ import random
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 import tracemalloc
 from datetime import datetime, timezone
 from pathlib import Path
@@ -68,9 +69,12 @@ def dedupe_state(n: int) -> dict:
     image = Image.new("RGB", (8, 8))
 
     def fill():
-        deduper = Deduper(Dedupe())
+        deduper = Deduper(Dedupe(), keep_in_memory=1)
         for _ in range(n):
-            deduper.match(f"{rng.getrandbits(256):064x}", f"{rng.getrandbits(256):064x}", image)
+            deduper.match(SimpleNamespace(
+                content_hash=f"{rng.getrandbits(256):064x}", phash=f"{rng.getrandbits(256):064x}",
+                text_layer=None, drawings=None, thumb=rng.randbytes(1024),
+                comparison=lambda: image))
         return deduper
 
     _, peak, held, seconds = measure(fill)

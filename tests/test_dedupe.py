@@ -10,7 +10,7 @@ from pathlib import Path
 
 import diskcache
 import polars as pl
-from PIL import Image
+from PIL import Image, ImageDraw
 
 import bench_dedupe
 from conftest import job_fields
@@ -435,3 +435,73 @@ def test_page_hash_index_finds_what_a_scan_of_every_page_finds():
     folder = spilled.spilled.folder.name
     spilled.close()
     assert not Path(folder).exists()
+
+
+def test_one_template_pages_never_merge_at_any_budget(write_job, tmp_path):
+    """Through real runs at the smallest budget: statements of one template with every
+    number different (as PDFs and as raster files, where no text layer tells them apart),
+    pages whose one dot is red in one file and green of the same grey in the other (PDFs,
+    and image files), and the two pages of a solid red / solid green TIFF are all generated; the statement
+    scaled onto a larger page box and its 100-dpi PNG raster merge with it."""
+    import pymupdf
+
+    import dedupe_set
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for seed in (1, 2):
+        dedupe_set.statement(seed).save(docs / f"statement-{seed}.pdf")
+        with pymupdf.open(docs / f"statement-{seed}.pdf") as doc:
+            doc[0].get_pixmap(dpi=150 if seed == 1 else 200).save(docs / f"statement-{seed}.png")
+    dedupe_set.on_larger_box(dedupe_set.statement(1)).save(docs / "statement-1-larger.pdf")
+    with pymupdf.open(docs / "statement-1.pdf") as doc:
+        doc[0].get_pixmap(dpi=100).save(docs / "statement-1-raster.png")
+    for name, colour in (("red", (255, 0, 0)), ("green", (0, 128, 0))):  # the same grey
+        with dedupe_set.status_table(tuple(c / 255 for c in colour)) as doc:
+            doc.save(docs / f"status-{name}.pdf")
+        image = Image.new("RGB", (850, 1100), "white")
+        ImageDraw.Draw(image).ellipse((400, 300, 440, 340), fill=colour)
+        image.save(docs / f"dot-{name}.png")
+    dedupe_set.solid_tiff(docs)
+    fields = one_task(job_fields("fake-model", ["docs/*"]))
+    fields["render"]["max_pixels"] = fields["render"]["min_pixels"] = 64 * 32 * 32
+    stats, engine = run(write_job(fields))
+    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    page = [f"{Path(m).name}#{p}" for m, p in zip(df["matched_path"], df["page"])]
+    reused = {k: Path(v.split("#")[0]).name + "#" + v.split("#")[1]
+              for k, v in zip(page, df["reused_from"]) if v is not None}
+
+    def document(name):  # what each file is a form of
+        return name.split("#")[0].split(".")[0].replace("-larger", "").replace("-raster", "") \
+            + ("#" + name.split("#")[1] if name.startswith("red-green") else "")
+
+    assert all(document(copy) == document(origin) for copy, origin in reused.items()), reused
+    assert len(df) == 12 and len(reused) == 4  # statement 1: four forms; statement 2: two
+    assert len(engine.requests) == 8 and stats.near_copies + stats.exact_copies == 4
+    assert len({document(p) for p in page}) == 8
+
+
+def test_pixel_checks_a_page_costs_are_bounded(tmp_path):
+    """A page costs at most MAX_PIXEL_CHECKS pixel checks, however many pages of its
+    template came before: PDF pages with other text are never candidates (no check at all),
+    image files of one template are ranked by thumbnail and checked a few at most."""
+    import pymupdf
+
+    import dedupe_set
+    from vlbatch.pipeline.dedupe import MAX_PIXEL_CHECKS
+
+    settings = Render(dpi=150, max_pixels=64 * 32 * 32, min_pixels=64 * 32 * 32)
+    deduper = Deduper(Dedupe(), keep_in_memory=64)
+    for seed in range(30):
+        path = tmp_path / f"s{seed}.pdf"
+        dedupe_set.statement(seed).save(path)
+        deduper.match(ingest.render(str(path), "pdf", 1, settings))
+    assert deduper.pixel_checks == 0
+    for seed in range(30):
+        with pymupdf.open(tmp_path / f"s{seed}.pdf") as doc:
+            doc[0].get_pixmap(dpi=100).save(tmp_path / f"s{seed}.png")
+        before = deduper.pixel_checks
+        canonical, relation = deduper.match(
+            ingest.render(str(tmp_path / f"s{seed}.png"), "image", 1, settings))
+        assert deduper.pixel_checks - before <= MAX_PIXEL_CHECKS
+        assert relation == "near"  # its own PDF is found among the 30

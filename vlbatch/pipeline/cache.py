@@ -195,7 +195,7 @@ class FeatureCache(_JsonEntries):
         throughput on the H200 when it shared the engine's thread). The dedupe keeps this
         run's pages in memory, so it never waits for these writes."""
         entry = (page.content_hash, page.phash, tuple(bands), layer, page.text_layer,
-                 page.drawings, page.thumb, page.compare_png)
+                 page.drawings, page.thumb, page.compare_png is not None)
         if not self.index_in_background:
             self._write_index([entry])
             return
@@ -240,10 +240,9 @@ class FeatureCache(_JsonEntries):
         with self._cache.transact():
             for content_hash, phash, page_bands, layer, text, drawings, thumb, compare in pages:
                 self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
-                if compare is not None:
-                    self._cache.set("compare:" + content_hash, compare)
+                # the comparison image itself is in the page entry (put_page, by the worker)
                 self._cache.set("look:" + content_hash, json.dumps(
-                    {"text": text, "drawings": drawings, "compare": compare is not None}).encode())
+                    {"text": text, "drawings": drawings, "compare": compare}).encode())
                 member = [content_hash, phash, layer, base64.b64encode(thumb).decode()]
                 for key in ["band:" + band for band in page_bands] + (
                         ["layer:" + layer] if layer is not None else []):
