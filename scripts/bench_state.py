@@ -73,7 +73,7 @@ def dedupe_state(n: int) -> dict:
         for _ in range(n):
             deduper.match(SimpleNamespace(
                 content_hash=f"{rng.getrandbits(256):064x}", phash=f"{rng.getrandbits(256):064x}",
-                text_layer=None, drawings=None, thumb=rng.randbytes(1024),
+                text_layer=None, drawings=None, thumb=rng.randbytes(4096),
                 comparison=lambda: image))
         return deduper
 

@@ -38,7 +38,11 @@ def make_archive(folder: Path, n: int, rerender_share: float = 0.02, seed: int =
     """The statements and their re-renders; returns re-render name -> original name. A
     re-render of statement j is named after a later statement k, so it comes later in the
     run, at a random distance from its original."""
-    folder.mkdir(parents=True, exist_ok=True)
+    made = folder / f"_copies-{n}-{seed}.json"  # an archive made before is reused
+    if made.exists():
+        return json.loads(made.read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     rng = random.Random(seed)
     copies: dict[str, str] = {}
     for k in range(n):
@@ -54,6 +58,7 @@ def make_archive(folder: Path, n: int, rerender_share: float = 0.02, seed: int =
                 with pymupdf.open(original) as doc:
                     doc[0].get_pixmap(dpi=100).save(folder / name)
             copies[name] = original.name
+    made.write_text(json.dumps(copies))
     return copies
 
 
@@ -83,7 +88,7 @@ def main() -> None:
     started = time.monotonic()
     copies = make_archive(work / "docs", args.pages)
     made_s = time.monotonic() - started
-    job = {"name": "template", "inputs": ["docs/*"], "output": "out", "cache": "cache",
+    job = {"name": "template", "inputs": ["docs/*.pdf", "docs/*.png"], "output": "out", "cache": "cache",
            "model": "stand-in", "tasks": [{"name": "a", "prompt": "Read this page."}],
            "render": {"dpi": 150, "max_pixels": args.max_pixels},
            "dedupe": {"near_duplicates": args.near_duplicates == "on"}}

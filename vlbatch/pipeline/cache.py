@@ -8,7 +8,6 @@ folder can be shared; an entry that does not decode is dropped, counted and reco
 
 from __future__ import annotations
 
-import base64
 import json
 import queue
 import threading
@@ -169,21 +168,20 @@ class FeatureCache(_JsonEntries):
         return image.convert("RGB"), look["text"], look["drawings"]
 
     # the band and layer index (dedupe.Deduper's `index`)
-    def members(self, key: str) -> list[tuple[str, str, str | None, bytes]]:
-        """(content hash, perceptual hash, layer key, thumbnail) of the canonical pages under
-        a "band:..." or "layer:..." key; entries written by a version that did not store all
-        four are left out (no merge without the safeguards)."""
+    def members(self, key: str) -> list[tuple[str, str, str | None]]:
+        """(content hash, perceptual hash, layer key) of the canonical pages under a
+        "band:..." or "layer:..." key; entries written by a version that did not store all
+        three are left out (no merge without the safeguards)."""
         found = self._json(key)
         if not isinstance(found, list):
             return []
-        members = []
-        for m in found:
-            if isinstance(m, list) and len(m) == 4 and isinstance(m[3], str):
-                try:
-                    members.append((m[0], m[1], m[2], base64.b64decode(m[3])))
-                except ValueError:
-                    continue
-        return members
+        return [(m[0], m[1], m[2]) for m in found if isinstance(m, list) and len(m) == 3
+                and isinstance(m[0], str) and isinstance(m[1], str)]
+
+    def thumb(self, content_hash: str) -> bytes:
+        """A canonical page's thumbnail (b"" where it is gone: it then ranks last)."""
+        found = self._raw("thumb:" + content_hash)
+        return found if isinstance(found, bytes) else b""
 
     def phash(self, content_hash: str) -> str | None:
         found = self._json("phash:" + content_hash)
@@ -243,13 +241,14 @@ class FeatureCache(_JsonEntries):
                 # the comparison image itself is in the page entry (put_page, by the worker)
                 self._cache.set("look:" + content_hash, json.dumps(
                     {"text": text, "drawings": drawings, "compare": compare}).encode())
-                member = [content_hash, phash, layer, base64.b64encode(thumb).decode()]
+                self._cache.set("thumb:" + content_hash, thumb)
+                member = [content_hash, phash, layer]
                 for key in ["band:" + band for band in page_bands] + (
                         ["layer:" + layer] if layer is not None else []):
                     joining.setdefault(key, []).append(member)
             for key, new in joining.items():
                 found = self._json(key)
-                members = [m for m in found if isinstance(m, list) and len(m) == 4] \
+                members = [m for m in found if isinstance(m, list) and len(m) == 3] \
                     if isinstance(found, list) else []
                 known = {m[0] for m in members}
                 added = list({m[0]: m for m in new if m[0] not in known}.values())  # each once

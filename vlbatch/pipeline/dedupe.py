@@ -5,7 +5,7 @@ page is looked up at a cost that does not grow with the run (`hashindex`):
 1. exact pre-filters: a PDF page's text layer and drawings digest (`layer_key`) are part of
    the lookup key, so pages with other text or drawings are never candidates; a page with
    no text layer (an image file, a scan) has pHash neighbours as candidates;
-2. the candidates are ranked by their 32x32 thumbnails (`imaging.thumbnail`), those whose
+2. the candidates are ranked by their 64x64 thumbnails (`imaging.thumbnail`), those whose
    thumbnail differs in some cell by more than THUMB_MAX_PEAK are dropped;
 3. the pixel check (`pixelcheck.same_page`, at the comparison size, in colour) runs on at
    most MAX_PIXEL_CHECKS of them, nearest first.
@@ -24,7 +24,7 @@ from vlbatch.pipeline.pixelcheck import same_page, words
 
 BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
 MAX_PIXEL_CHECKS = 4  # a page costs at most this many pixel checks
-THUMB_MAX_PEAK = 24  # levels (0-255): a thumbnail cell further apart rules a candidate out
+THUMB_MAX_PEAK = 32  # levels (0-255): a thumbnail cell further apart rules a candidate out
 
 
 def hamming(a: str, b: str) -> int:
@@ -67,6 +67,7 @@ class Deduper:
         # the last canonical pages (RenderedPage), for the pixel check without a cache read
         self.recent: LRUCache = LRUCache(maxsize=keep_in_memory)
         self.memo: LRUCache = LRUCache(maxsize=memo_bands)  # band or layer -> earlier members
+        self.thumbs: LRUCache = LRUCache(maxsize=memo_bands)  # earlier pages' thumbnails
         self.pixel_checks = 0  # how many this run made
 
     def close(self) -> None:
@@ -75,7 +76,7 @@ class Deduper:
 
     def match(self, page) -> tuple[str, Relation]:
         """(canonical content hash, how the page relates to it) for a RenderedPage."""
-        content_hash, phash = page.content_hash, page.phash
+        content_hash = page.content_hash
         if content_hash in self.pages:
             return content_hash, "exact"
         layer = layer_key(page.text_layer, page.drawings)
@@ -105,7 +106,7 @@ class Deduper:
                 kept.append(candidate)
         return kept[:MAX_PIXEL_CHECKS]
 
-    def _earlier_members(self, key: str) -> list[tuple[str, str, str | None, bytes]]:
+    def _earlier_members(self, key: str) -> list[tuple[str, str, str | None]]:
         """The index's members of a band or layer: pages of earlier runs (this run's pages
         are in self.pages), which do not change during the run."""
         found = self.memo.get(key)
@@ -116,17 +117,23 @@ class Deduper:
     def _earlier_candidates(self, phash: str, layer: str | None) -> tuple[list[bytes], object]:
         """Pages of earlier runs: those of the same layer key, and those sharing a band and
         within the distance (without a layer key, for a page with one)."""
-        found: dict[str, bytes] = {}
+        found: list[str] = []
         if layer is not None:
-            for content_hash, _, _, thumb in self._earlier_members("layer:" + layer):
-                found[content_hash] = thumb
+            found += [content_hash for content_hash, _, _ in self._earlier_members("layer:" + layer)]
         for band in bands(phash):
-            for content_hash, other, other_layer, thumb in self._earlier_members("band:" + band):
-                if content_hash in found or (layer is not None and other_layer is not None):
+            for content_hash, other, other_layer in self._earlier_members("band:" + band):
+                if layer is not None and other_layer is not None:
                     continue
                 if hamming(phash, other) <= self.max_distance:
-                    found[content_hash] = thumb
-        return [bytes.fromhex(h) for h in found], thumbs_of(list(found.values()))
+                    found.append(content_hash)
+        found = list(dict.fromkeys(found))
+        return [bytes.fromhex(h) for h in found], thumbs_of([self._earlier_thumb(h) for h in found])
+
+    def _earlier_thumb(self, content_hash: str) -> bytes:
+        thumb = self.thumbs.get(content_hash)
+        if thumb is None:
+            thumb = self.thumbs[content_hash] = self.index.thumb(content_hash)
+        return thumb
 
     def _view(self, content_hash: str):
         """(comparison image, text layer, drawings) of a canonical page, or None where they

@@ -3,7 +3,7 @@ does not grow with the run.
 
 Per page: its content hash (exact copies), its 256-bit pHash, its layer key (a PDF page's
 text and drawings digest, `dedupe.layer_key`; 0 for a page without a text layer) and its
-32x32 thumbnail (`imaging.thumbnail`). A lookup returns the candidates for a near copy:
+64x64 thumbnail (`imaging.thumbnail`). A lookup returns the candidates for a near copy:
 - a page with a layer key: the pages with the same key (an exact match: pages with other
   text or drawings are never candidates), and pages without one (raster copies) within the
   pHash distance;
@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from vlbatch.pipeline import imaging
+
 BANDS = 16  # the spilled pages' pHash bands: two pages within distance 15 share one
-HOT_PAGES = 16384  # pages kept in memory before they are spilled to disk
+HOT_PAGES = 4096  # pages kept in memory (about 4.4 KB each) before they are spilled to disk
 MAX_SAME_LAYER = 64  # spilled pages with the query's layer key looked at, newest first
 MAX_SPILLED = 64  # spilled pages per pHash band looked at, newest first
-THUMB_BYTES = 32 * 32
+THUMB_BYTES = imaging.THUMB_SIDE ** 2
 
 
 @dataclass(frozen=True)

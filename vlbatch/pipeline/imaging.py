@@ -11,7 +11,7 @@ from PIL import Image, ImageOps
 # Qwen3-VL: 16-pixel patches merged 2x2, so one image token per 32x32 pixels.
 COMPARE_LONG_SIDE = 1344  # pixels: the dedupe compares pages at most this large
 COMPARE_PIXELS = 1280 * 32 * 32  # and fitted to at least this budget, whatever the model's
-THUMB_SIDE = 32  # the thumbnail the dedupe ranks candidates by: 32x32 grey cell means
+THUMB_SIDE = 64  # the thumbnail the dedupe ranks candidates by: 64x64 grey cell means
 IMAGE_FACTOR = 32
 MAX_ASPECT_RATIO = 200  # the model's processor refuses more extreme pages
 

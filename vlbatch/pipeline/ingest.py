@@ -57,7 +57,7 @@ class RenderedPage:
     drawings: str | None = None  # PDF pages: digest of where they draw (drawings_digest)
     built: Image.Image | None = field(default=None, repr=False, compare=False)
     # the dedupe's view (imaging.comparison_budget): the page at the comparison budget as
-    # PNG where the model's budget is smaller, and the 32x32 grey thumbnail of it
+    # PNG where the model's budget is smaller, and the 64x64 grey thumbnail of it
     compare_png: bytes | None = field(default=None, repr=False)
     thumb: bytes = field(default=b"", repr=False)
 
