@@ -24,7 +24,7 @@ from vlbatch.pipeline.pixelcheck import same_page, words
 
 BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
 MAX_PIXEL_CHECKS = 4  # a page costs at most this many pixel checks
-THUMB_MAX_PEAK = 32  # levels (0-255): a thumbnail cell further apart rules a candidate out
+THUMB_MAX_PEAK = 24  # levels (0-255): a thumbnail cell further apart rules a candidate out
 
 
 def hamming(a: str, b: str) -> int:

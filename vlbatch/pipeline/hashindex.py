@@ -8,12 +8,14 @@ text and drawings digest, `dedupe.layer_key`; 0 for a page without a text layer)
   text or drawings are never candidates), and pages without one (raster copies) within the
   pHash distance;
 - a page without: every page within the pHash distance,
-each list bounded (`MAX_SAME_LAYER`, `MAX_SPILLED`), nearest thumbnail first.
+each list bounded (`MAX_SAME_LAYER`, `MAX_SCAN`), nearest thumbnail first.
 
 The newest HOT_PAGES pages live in numpy arrays and are searched by brute force (a few
-microseconds a thousand pages); older ones are spilled to an SQLite file in a temporary
-folder, searched through indexes with per-key limits, so memory stays flat at 100,000 pages
-and beyond, and a lookup costs at most HOT_PAGES vector operations and a few bounded queries.
+microseconds a thousand pages); older ones are spilled to files in a temporary folder
+(SQLite for the content hashes, flat files read through memory maps for the rest), so
+memory stays flat at 100,000 pages and beyond, and a lookup costs at most HOT_PAGES +
+MAX_SCAN vector operations on pHashes, the thumbnails of the pages within the distance
+among those, and one bounded query.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ import numpy as np
 
 from vlbatch.pipeline import imaging
 
-BANDS = 16  # the spilled pages' pHash bands: two pages within distance 15 share one
 HOT_PAGES = 4096  # pages kept in memory (about 4.4 KB each) before they are spilled to disk
 MAX_SAME_LAYER = 64  # spilled pages with the query's layer key looked at, newest first
-MAX_SPILLED = 64  # spilled pages per pHash band looked at, newest first
+MAX_SCAN = 32768  # spilled pages scanned for pHash neighbours, newest first (about 130 MB)
 THUMB_BYTES = imaging.THUMB_SIDE ** 2
 
 
@@ -59,13 +60,6 @@ def _popcount(words: np.ndarray) -> np.ndarray:
 def _hex_words(text: str, words: int) -> np.ndarray:
     """A hex string as big-endian uint64 words (zero-padded on the left to `words`)."""
     return np.frombuffer(bytes.fromhex(text.rjust(16 * words, "0")), ">u8").astype(np.uint64)
-
-
-def _band_keys(words: np.ndarray) -> list[int]:
-    """A pHash's (4 words) band keys: band number << 16 | the band's 16 bits."""
-    shifts = np.arange(3, -1, -1, dtype=np.uint64) * np.uint64(16)
-    values = ((words[:, None] >> shifts[None, :]) & np.uint64(0xFFFF)).reshape(BANDS)
-    return [(band << 16) | int(v) for band, v in enumerate(values.tolist())]
 
 
 def _thumb(thumb: bytes) -> np.ndarray:
@@ -146,63 +140,78 @@ class _Rows:
 
 
 class _SpilledPages:
-    """Older pages in an SQLite file (its page cache is SQLite's default, about 2 MB)."""
+    """Older pages on disk in a temporary folder: content hashes and layer keys in SQLite
+    (its page cache is SQLite's default, about 2 MB), pHashes, layer keys and thumbnails in
+    flat files read through memory maps, so a lookup scans at most MAX_SCAN of the newest
+    (the operating system's page cache holds them, not the process)."""
 
     def __init__(self, folder: str | None = None):
         self.folder = tempfile.TemporaryDirectory(prefix="vlbatch-pages-", dir=folder)
-        self.db = sqlite3.connect(Path(self.folder.name) / "pages.sqlite", check_same_thread=False)
+        base = Path(self.folder.name)
+        self.db = sqlite3.connect(base / "pages.sqlite", check_same_thread=False)
         self.db.executescript(
             "PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"
-            "CREATE TABLE pages (id INTEGER PRIMARY KEY, content BLOB UNIQUE, phash BLOB,"
-            " layer INTEGER, thumb BLOB);"
-            "CREATE INDEX pages_layer ON pages (layer, id);"
-            "CREATE TABLE bands (key INTEGER, id INTEGER);"
-            "CREATE INDEX bands_key ON bands (key, id);")
+            "CREATE TABLE pages (id INTEGER PRIMARY KEY, content BLOB UNIQUE, layer INTEGER);"
+            "CREATE INDEX pages_layer ON pages (layer, id);")
+        self.files = {name: base / f"{name}.bin" for name in ("phashes", "layers", "thumbs")}
         self.size = 0
+        self.maps: dict[str, np.ndarray] = {}
 
     def add(self, hot: _HotPages) -> None:
-        """The hot pages, row by row (no list of them all in memory)."""
         n, first = len(hot), self.size
-        phashes = hot.phashes.view()
         with self.db:
-            self.db.executemany("INSERT INTO pages VALUES (?, ?, ?, ?, ?)", (
-                (first + r, hot.content.data[r].tobytes(), phashes[r].astype(">u8").tobytes(),
-                 int(hot.layers.data[r, 0]), hot.thumbs.data[r].tobytes()) for r in range(n)))
-            self.db.executemany("INSERT INTO bands VALUES (?, ?)", (
-                (key, first + r) for r in range(n) for key in _band_keys(phashes[r])))
+            self.db.executemany("INSERT INTO pages VALUES (?, ?, ?)", (
+                (first + r, hot.content.data[r].tobytes(), int(hot.layers.data[r, 0]))
+                for r in range(n)))
+        for name, values in (("phashes", hot.phashes.view()), ("layers", hot.layers.view()),
+                             ("thumbs", hot.thumbs.view())):
+            with open(self.files[name], "ab") as f:
+                f.write(np.ascontiguousarray(values).tobytes())
         self.size += n
+        self.maps = {name: np.memmap(self.files[name], dtype=dtype, mode="r").reshape(self.size, -1)
+                     for name, dtype in (("phashes", np.uint64), ("layers", np.int64),
+                                         ("thumbs", np.uint8))}
 
     def __contains__(self, digest: bytes) -> bool:
         return self.db.execute("SELECT 1 FROM pages WHERE content = ?", (digest,)).fetchone() is not None
 
-    def near(self, words: np.ndarray, max_distance: int, layer: int
-             ) -> tuple[list[bytes], np.ndarray]:
-        """(content hashes, thumbnails) of the candidates, each query bounded."""
-        ids = set()
+    def near(self, words: np.ndarray, max_distance: int, layer: int, thumb: bytes, keep: int
+             ) -> list[Candidate]:
+        """The `keep` nearest candidates (see the module's docstring), each read bounded:
+        the newest MAX_SAME_LAYER pages of the query's layer key, the newest MAX_SCAN pages
+        scanned for pHash neighbours."""
+        ids = [i for (i,) in self.db.execute(
+            "SELECT id FROM pages WHERE layer = ? ORDER BY id DESC LIMIT ?",
+            (layer, MAX_SAME_LAYER))] if layer else []
+        start = max(0, self.size - MAX_SCAN)
+        layers = self.maps["layers"][start:, 0]
+        close = _popcount(self.maps["phashes"][start:] ^ words).sum(axis=1) <= max_distance
         if layer:
-            ids.update(i for (i,) in self.db.execute(
-                "SELECT id FROM pages WHERE layer = ? ORDER BY id DESC LIMIT ?",
-                (layer, MAX_SAME_LAYER)))
-        band_ids = set()
-        for key in _band_keys(words):
-            band_ids.update(i for (i,) in self.db.execute(
-                "SELECT id FROM bands WHERE key = ? ORDER BY id DESC LIMIT ?", (key, MAX_SPILLED)))
-        rows = self.db.execute(
-            f"SELECT id, content, phash, layer, thumb FROM pages WHERE id IN "
-            f"({','.join('?' * len(ids | band_ids))})", sorted(ids | band_ids)).fetchall()
-        content, thumbs = [], []
-        for i, digest, phash, page_layer, thumb in rows:
-            if i not in ids:  # by band: within the distance, and without a layer for a query with one
-                other = np.frombuffer(phash, ">u8").astype(np.uint64)
-                if int(_popcount(other ^ words).sum()) > max_distance or (layer and page_layer):
-                    continue
-            content.append(digest)
-            thumbs.append(_thumb(thumb))
-        return content, np.array(thumbs, np.uint8).reshape(-1, THUMB_BYTES)
+            close &= layers == 0
+        rows = np.union1d(np.asarray(ids, np.int64), np.flatnonzero(close) + start)
+        found = rank(_SpilledRows(self, rows), self.maps["thumbs"][rows], thumb, keep)
+        return found
+
+    def content(self, row: int) -> bytes:
+        return self.db.execute("SELECT content FROM pages WHERE id = ?", (row,)).fetchone()[0]
 
     def close(self) -> None:
+        self.maps = {}
         self.db.close()
         self.folder.cleanup()
+
+
+class _SpilledRows:
+    """The content hashes of some spilled rows, read only for the items ranked."""
+
+    def __init__(self, spilled: _SpilledPages, rows: np.ndarray):
+        self.spilled, self.rows = spilled, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i) -> bytes:
+        return self.spilled.content(int(self.rows[i]))
 
 
 def rank(content: list[bytes], thumbs: np.ndarray, thumb: bytes, keep: int) -> list[Candidate]:
@@ -254,8 +263,7 @@ class PageHashIndex:
         rows = self.hot.near(words, max_distance, word)
         found = rank(_Rows(self.hot, rows), self.hot.thumbs.data[rows], thumb, keep)
         if self.spilled is not None:
-            content, thumbs = self.spilled.near(words, max_distance, word)
-            found += rank(content, thumbs, thumb, keep)
+            found += self.spilled.near(words, max_distance, word, thumb, keep)
             found.sort(key=lambda c: (c.thumb_peak, c.thumb_distance))
         return found[:keep]
 

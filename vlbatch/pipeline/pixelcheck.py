@@ -188,18 +188,18 @@ def same_page(a: Image.Image, b: Image.Image, text_a: str | None, text_b: str | 
         return False
     if drawings_a is not None and drawings_b is not None and drawings_a != drawings_b:
         return False
-    pair = PagePair(a, b)
+    pair = PagePair(a, b)  # the measures cheapest to compute and likeliest to refuse first
+    peak, ratio = pair.block_difference()
+    if peak > settings.max_block_diff or ratio > settings.max_peak_ratio:
+        return False
+    if pair.grey_difference() > settings.max_spread_diff:
+        return False
     if pair.blank_marks() > settings.max_blank_mark:
         return False
     dot, dot_ratio = pair.blank_dot()
     if dot > settings.max_blank_dot and dot_ratio > settings.max_blank_dot_ratio:
         return False
     if pair.ink_shift() > settings.max_ink_shift_ratio:
-        return False
-    peak, ratio = pair.block_difference()
-    if peak > settings.max_block_diff or ratio > settings.max_peak_ratio:
-        return False
-    if pair.grey_difference() > settings.max_spread_diff:
         return False
     return pair.colour_difference() <= settings.max_colour_diff
 
