@@ -127,16 +127,17 @@ class _HotPages:
 
 
 class _Rows:
-    """The content hashes of some hot rows, as a list that builds only the items read."""
+    """The content hashes of some rows, as a list that reads only the items asked for
+    (`read`: row -> content hash bytes)."""
 
-    def __init__(self, hot: _HotPages, rows: np.ndarray):
-        self.hot, self.rows = hot, rows
+    def __init__(self, rows: np.ndarray, read):
+        self.rows, self.read = rows, read
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i) -> bytes:
-        return self.hot.content.data[self.rows[i]].tobytes()
+        return self.read(int(self.rows[i]))
 
 
 class _SpilledPages:
@@ -189,7 +190,7 @@ class _SpilledPages:
         if layer:
             close &= layers == 0
         rows = np.union1d(np.asarray(ids, np.int64), np.flatnonzero(close) + start)
-        found = rank(_SpilledRows(self, rows), self.maps["thumbs"][rows], thumb, keep)
+        found = rank(_Rows(rows, self.content), self.maps["thumbs"][rows], thumb, keep)
         return found
 
     def content(self, row: int) -> bytes:
@@ -199,19 +200,6 @@ class _SpilledPages:
         self.maps = {}
         self.db.close()
         self.folder.cleanup()
-
-
-class _SpilledRows:
-    """The content hashes of some spilled rows, read only for the items ranked."""
-
-    def __init__(self, spilled: _SpilledPages, rows: np.ndarray):
-        self.spilled, self.rows = spilled, rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i) -> bytes:
-        return self.spilled.content(int(self.rows[i]))
 
 
 def rank(content: list[bytes], thumbs: np.ndarray, thumb: bytes, keep: int) -> list[Candidate]:
@@ -261,7 +249,8 @@ class PageHashIndex:
         module's docstring and `rank`)."""
         words, word = _hex_words(phash, 4), layer_word(layer)
         rows = self.hot.near(words, max_distance, word)
-        found = rank(_Rows(self.hot, rows), self.hot.thumbs.data[rows], thumb, keep)
+        found = rank(_Rows(rows, lambda r: self.hot.content.data[r].tobytes()),
+                     self.hot.thumbs.data[rows], thumb, keep)
         if self.spilled is not None:
             found += self.spilled.near(words, max_distance, word, thumb, keep)
             found.sort(key=lambda c: (c.thumb_peak, c.thumb_distance))
