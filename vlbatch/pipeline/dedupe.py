@@ -68,6 +68,8 @@ class Deduper:
         self.recent: LRUCache = LRUCache(maxsize=keep_in_memory)
         self.memo: LRUCache = LRUCache(maxsize=memo_bands)  # band or layer -> earlier members
         self.thumbs: LRUCache = LRUCache(maxsize=memo_bands)  # earlier pages' thumbnails
+        # candidates' decoded views: a page checked for many later pages is decoded once
+        self.views: LRUCache = LRUCache(maxsize=keep_in_memory)
         self.pixel_checks = 0  # how many this run made
 
     def close(self) -> None:
@@ -138,10 +140,16 @@ class Deduper:
     def _view(self, content_hash: str):
         """(comparison image, text layer, drawings) of a canonical page, or None where they
         cannot be read (then it is never merged with)."""
-        found = self.recent.get(content_hash)
-        if found is not None:
-            return found.comparison(), found.text_layer, found.drawings
-        return self.index.comparison(content_hash) if self.index is not None else None
+        view = self.views.get(content_hash)
+        if view is None:
+            found = self.recent.get(content_hash)
+            if found is not None:
+                view = found.comparison(), found.text_layer, found.drawings
+            elif self.index is not None:
+                view = self.index.comparison(content_hash)
+            if view is not None:
+                self.views[content_hash] = view
+        return view
 
     def _near_copy_of(self, page, layer: str | None) -> str | None:
         """The nearest earlier page that the pixel check confirms as the same, if any."""

@@ -89,7 +89,7 @@ def comparison_budget(min_pixels: int, max_pixels: int) -> tuple[int, int] | Non
     check's thresholds are measured at this budget: scripts/bench_dedupe.py)."""
     if max_pixels >= COMPARE_PIXELS:
         return None
-    return min(min_pixels, COMPARE_PIXELS), COMPARE_PIXELS
+    return min_pixels, COMPARE_PIXELS  # min_pixels <= max_pixels < COMPARE_PIXELS
 
 
 def thumbnail(image: Image.Image) -> bytes:
