@@ -116,8 +116,13 @@ class RayExecutor:
         ds = ds.map_batches(RenderPages, fn_constructor_kwargs={"job": spec}, batch_size=per_batch,
                             batch_format="pyarrow", num_cpus=1, compute=ActorPoolStrategy(
                                 min_size=1, max_size=settings.render_workers or max(1, cpus - 1)))
+        # Ray Data lets an actor run its blocks out of order (allow_out_of_order_execution:
+        # a block whose input is fetched later waits) and reorders only their outputs; the
+        # dedupe must see pages in plan order, or which of two copies is the original would
+        # depend on timing
         ds = ds.map_batches(RoutePages, fn_constructor_kwargs={"job": spec}, batch_size=per_batch,
-                            batch_format="pyarrow", num_cpus=0, compute=ActorPoolStrategy(size=1))
+                            batch_format="pyarrow", num_cpus=0, compute=ActorPoolStrategy(size=1),
+                            allow_out_of_order_execution=False)
         return ds.map_batches(
             GeneratePages, fn_constructor_kwargs={"job": spec,
                                                   "engine_factory": self.engine_factory},
