@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vlbatch.job import Dedupe  # noqa: E402
 from vlbatch.pipeline.dedupe import Deduper  # noqa: E402
-from vlbatch.pipeline.write import RESULT_SCHEMA, OutputFolder  # noqa: E402
+from vlbatch.output.folder import OutputFolder  # noqa: E402
+from vlbatch.output.schemas import RESULT_SCHEMA  # noqa: E402
 
 
 TRACED = True

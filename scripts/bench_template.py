@@ -99,7 +99,7 @@ def main() -> None:
                         prompts_factory=lambda j: WordCount())
         seconds = time.monotonic() - started
     manifest = json.loads(next((work / "out" / "_runs").glob("*.json")).read_text())
-    rows = pl.read_parquet(work / "out" / "results" / "*.parquet")
+    rows = pl.read_delta(str(work / "out" / "results"))
     reused = dict(zip(rows["source"].map_elements(lambda s: Path(s).name, return_dtype=pl.String),
                       rows["reused_from"]))
     found = sum(1 for copy, original in copies.items()

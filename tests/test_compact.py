@@ -16,7 +16,7 @@ from fakes import ScriptedEngine, fake_prompts
 from vlbatch.compact import compact_output
 from vlbatch.errors import OutputLocked
 from vlbatch.job import load_job
-from vlbatch.pipeline.write import OutputFolder
+from vlbatch.output.folder import OutputFolder
 from vlbatch.run import run_job
 
 CURRENT = """SELECT source, page, task, status, output FROM (

@@ -63,7 +63,7 @@ def test_copies_merge_same_template_pages_never(write_job, tmp_path):
     export(b, docs / "b-q80.jpg", quality=80)
     write_invoice(docs / "c.pdf", (*FIELDS[:3], "1,204.80 EUR"))  # one amount
     stats, engine = run(write_job(one_task(job_fields("fake-model", ["docs/*"]))))
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet").sort("source")
+    df = pl.read_delta(str(tmp_path / "out" / "results")).sort("source")
     assert len(engine.requests) == 3 and stats.near_copies == 2
     origin = dict(zip(df["matched_path"], df["reused_from"]))
     group_a = {origin["docs/a-copy.png"], origin["docs/a-q80.jpg"], origin["docs/a.pdf"]}
@@ -85,7 +85,7 @@ def test_rerender_at_another_dpi_reuses_the_answer_across_runs(write_job, tmp_pa
     fields["output"] = "out100"
     stats, engine = run(write_job(fields))
     assert len(engine.requests) == 0 and stats.near_copies == 1 and stats.cache_hits == 1
-    df = pl.read_parquet(tmp_path / "out100" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out100" / "results"))
     assert df["cached"].to_list() == [True] and df["reused_from"].to_list() == [None]
     # a changed field at another DPI carries another text layer: generated, not merged
     write_invoice(docs / "a.pdf", (*FIELDS[:3], "9,999.99 EUR"))
@@ -97,7 +97,7 @@ def test_feature_cache_skips_rendering_and_heals(write_job, tmp_path, samples):
     fields = job_fields("fake-model", [f"{samples}/*"])
     stats, _ = run(write_job(fields))
     assert stats.pages_from_feature_cache == 0
-    first = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    first = pl.read_delta(str(tmp_path / "out" / "results"))
     with diskcache.Cache(str(tmp_path / "cache" / "default" / "features")) as cache:
         images = [k for k in cache.iterkeys() if str(k).startswith("image:")]
         assert len(images) == 6  # 7 pages, one an exact copy
@@ -107,7 +107,7 @@ def test_feature_cache_skips_rendering_and_heals(write_job, tmp_path, samples):
     fields["result_cache"] = False
     stats, engine = run(write_job(fields))
     assert stats.pages_from_feature_cache == 6 and stats.cache_corrupt == 1  # one rendered again
-    second = pl.read_parquet(tmp_path / "out2" / "results" / "*.parquet")
+    second = pl.read_delta(str(tmp_path / "out2" / "results"))
     joined = first.join(second, on=["source", "page", "task"])
     assert (joined["content_hash"] == joined["content_hash_right"]).all()
     assert (joined["output"] == joined["output_right"]).all()  # the same pixels reached the engine
@@ -183,7 +183,7 @@ def test_drawings_keep_pages_apart_across_runs(write_job, tmp_path):
     fields["render"]["dpi"] = 100
     stats, engine = run(write_job(fields))
     assert len(engine.requests) == 1 and stats.near_copies == 1
-    df = pl.read_parquet(tmp_path / "out100" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out100" / "results"))
     cached = dict(zip(df["matched_path"], df["cached"]))
     assert cached == {"docs/plain.pdf": True, "docs/struck.pdf": False}
 
@@ -237,7 +237,7 @@ def test_namespaces_share_nothing_and_clear_alone(write_job, tmp_path, samples):
     stats, engine = run(write_job(fields, "b.yaml"))
     assert len(engine.requests) == 2 and stats.cache_hits == 0
     assert stats.pages_from_feature_cache == 0 and stats.exact_copies == 0
-    assert pl.read_parquet(tmp_path / "out-b" / "results" / "*.parquet")["reused_from"].is_null().all()
+    assert pl.read_delta(str(tmp_path / "out-b" / "results"))["reused_from"].is_null().all()
     fields.update(cache_namespace="tenant-a", output="out-a2", inputs=[f"{samples}/receipt.png"])
     stats, engine = run(write_job(fields, "a2.yaml"))
     assert len(engine.requests) == 0 and stats.cache_hits == 2
@@ -466,7 +466,7 @@ def test_one_template_pages_never_merge_at_any_budget(write_job, tmp_path):
     fields = one_task(job_fields("fake-model", ["docs/*"]))
     fields["render"]["max_pixels"] = fields["render"]["min_pixels"] = 64 * 32 * 32
     stats, engine = run(write_job(fields))
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     page = [f"{Path(m).name}#{p}" for m, p in zip(df["matched_path"], df["page"])]
     reused = {k: Path(v.split("#")[0]).name + "#" + v.split("#")[1]
               for k, v in zip(page, df["reused_from"]) if v is not None}
@@ -527,5 +527,5 @@ def test_a_run_never_merges_with_a_page_whose_safeguards_are_gone(write_job, tmp
     fields.update(output="out-gone")
     stats, engine = run(write_job(fields))
     assert len(engine.requests) == 1 and stats.near_copies == 0
-    df = pl.read_parquet(tmp_path / "out-gone" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out-gone" / "results"))
     assert df["reused_from"].to_list() == [None] and df["cached"].to_list() == [False]

@@ -15,7 +15,7 @@ import oddfiles
 from conftest import ROOT, job_fields, run_cli
 from vlbatch.errors import OutputLocked
 from vlbatch.job import load_job
-from vlbatch.pipeline.write import OutputFolder
+from vlbatch.output.folder import OutputFolder
 
 DESIGN_COLUMNS = {  # DESIGN.md's results table
     "source": pl.String, "page": pl.Int32, "task": pl.String, "output": pl.String,
@@ -62,7 +62,7 @@ def test_demo_job_end_to_end(demo_model, tmp_path):
     log_line = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (INFO|WARNING|ERROR) \S")
     assert all(log_line.match(line) for line in result.stderr.splitlines()), result.stderr
     assert result.stdout.startswith("run ") and "\r" not in result.stdout + result.stderr
-    df = pl.read_parquet(out / "results" / "*.parquet")
+    df = pl.read_delta(str(out / "results"))
     job = load_job(ROOT / "jobs" / "demo.yaml")
     pages = expected_pages(ROOT / "data" / "samples")
     assert df.height == pages * len(job.tasks) and pages == 7
@@ -79,7 +79,7 @@ def test_demo_job_end_to_end(demo_model, tmp_path):
     assert (df["model"] == job.model).all() and df["run_id"].n_unique() == 1
     dupes = df.filter(pl.col("reused_from").is_not_null())
     assert dupes.height == len(job.tasks) and dupes["cached"].all()  # receipt.png = its copy
-    pages_table = pl.read_parquet(out / "pages" / "*.parquet")
+    pages_table = pl.read_delta(str(out / "pages"))
     assert pages_table.height == pages
     report = pages_table.filter(pl.col("source").str.ends_with("report.pdf"))
     assert report["text_layer"].str.contains("sample report").all()
@@ -94,7 +94,7 @@ def test_demo_job_end_to_end(demo_model, tmp_path):
     again = run_cli("run", str(ROOT / "jobs" / "demo.yaml"), "--output", str(out),
                     "--cache-dir", str(cache))
     assert again.returncode == 0
-    assert pl.read_parquet(out / "results" / "*.parquet").height == df.height  # no new rows
+    assert pl.read_delta(str(out / "results")).height == df.height  # no new rows
 
 
 def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
@@ -108,7 +108,7 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     job = write_job(fields)
     result = run_cli("run", str(job), "--limit", "4")
     assert result.returncode == 0, result.stderr[-3000:]
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     assert sorted(set(zip(df["matched_path"], df["page"].fill_null(0)))) == [
         ("docs/a.pdf", 1), ("docs/a.pdf", 2), ("docs/a.pdf", 3), ("docs/b-broken.pdf", 0)]
     assert df.filter(pl.col("matched_path") == "docs/b-broken.pdf")["status"].unique().to_list() == ["error"]
@@ -236,7 +236,7 @@ def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, writ
     result = subprocess.run([sys.executable, "-m", "vlbatch", "run", str(job)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     assert (df["status"] == "ok").all() and (df["model"] == "acme/tiny-vl").all()
 
 

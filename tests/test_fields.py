@@ -10,6 +10,7 @@ from datetime import date, datetime, timezone
 
 import duckdb
 import polars as pl
+from deltalake import DeltaTable
 import pytest
 
 from conftest import job_fields, run_cli
@@ -174,10 +175,10 @@ def test_typed_fields_are_written_and_read_back_with_their_types(samples, write_
                                        else "nothing", "stop"))
     stats = run(job, engine)
     assert stats.fields_rows == 7 and stats.rows_ok == 14
-    fields = pl.read_parquet(tmp_path / "out" / "fields" / "invoice" / "*.parquet")
+    fields = pl.read_delta(str(tmp_path / "out" / "fields" / "invoice"))
     assert fields.schema == pl.Schema({
         "source": pl.String, "page": pl.Int32, "task": pl.String, "run_id": pl.String,
-        "finished_at": pl.Datetime("ms", "UTC"), "content_hash": pl.String,
+        "finished_at": pl.Datetime("us", "UTC"), "content_hash": pl.String,
         "vendor": pl.String, "total": pl.Float64, "date": pl.Date, "paid": pl.Boolean,
         "lines": pl.List(pl.String),
         "address": pl.Struct({"city": pl.String, "zip": pl.Int64}),
@@ -186,7 +187,7 @@ def test_typed_fields_are_written_and_read_back_with_their_types(samples, write_
     assert row["date"] == date(2026, 11, 30) and row["total"] == 1234.5 and row["paid"] is True
     assert row["address"] == {"city": "Köln", "zip": 50667} and row["lines"] == ["bolts", "nuts"]
     assert row["sent_at"] == datetime(2026, 12, 1, 7, 30, tzinfo=timezone.utc)
-    results = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    results = pl.read_delta(str(tmp_path / "out" / "results"))
     assert json.loads(results.filter(pl.col("task") == "invoice")["output"][0]) == INVOICE
     assert (results["finish_reason"] == "stop").all()
     # the page's rows and the fields rows name the same pages
@@ -194,29 +195,28 @@ def test_typed_fields_are_written_and_read_back_with_their_types(samples, write_
     assert keys.sort("source", "page").equals(
         fields.select("source", "page", "content_hash").sort("source", "page"))
 
-    glob = str(tmp_path / "out" / "fields" / "invoice" / "*.parquet")
-    types = {r[0]: r[1] for r in
-             duckdb.sql(f"DESCRIBE SELECT * FROM read_parquet('{glob}')").fetchall()}
+    invoice = DeltaTable(str(tmp_path / "out" / "fields" / "invoice")).to_pyarrow_dataset()  # noqa: F841
+    types = {r[0]: r[1] for r in duckdb.sql("DESCRIBE SELECT * FROM invoice").fetchall()}
     assert (types["total"], types["date"], types["paid"], types["lines"]) == \
         ("DOUBLE", "DATE", "BOOLEAN", "VARCHAR[]")
     assert types["address"] == "STRUCT(city VARCHAR, zip BIGINT)"
     assert types["sent_at"] == "TIMESTAMP WITH TIME ZONE"
-    total = duckdb.sql(f"SELECT sum(total) FROM read_parquet('{glob}') WHERE paid").fetchall()[0][0]
+    total = duckdb.sql("SELECT sum(total) FROM invoice WHERE paid").fetchall()[0][0]
     assert total == pytest.approx(7 * 1234.5)
 
-    from vlbatch.inspect_output import inspect_output
+    from vlbatch.output.inspect import inspect_output
 
     [table] = inspect_output(tmp_path / "out")["fields"]
     assert table["task"] == "invoice" and table["rows"] == 7
     assert (table["columns"]["total"], table["columns"]["date"]) == ("double", "date32[day]")
 
     stats = run(job, engine)  # an identical re-run writes nothing
-    assert stats.fields_rows == 0 and len(list((tmp_path / "out" / "fields" / "invoice")
-                                               .glob("*.parquet"))) == 1
+    assert stats.fields_rows == 0
+    assert DeltaTable(str(tmp_path / "out" / "fields" / "invoice")).version() == 0
     other = tmp_path / "out2"  # from the cache into a new output: typed rows there too
     stats = run(job, engine, output=str(other))
     assert stats.cache_hits > 0 and stats.fields_rows == 7
-    assert pl.read_parquet(other / "fields" / "invoice" / "*.parquet").height == 7
+    assert pl.read_delta(str(other / "fields" / "invoice")).height == 7
 
 
 def test_answers_that_fail_twice_are_error_rows_with_their_text(samples, write_job, tmp_path):
@@ -228,7 +228,7 @@ def test_answers_that_fail_twice_are_error_rows_with_their_text(samples, write_j
     # 6 distinct pages x 2 tasks, each generated twice
     assert len(engine.requests) == 24 and sum(r.retry for r in engine.requests) == 12
     assert stats.retried == 12 and stats.bad_answers == 12 and stats.rows_error == 14
-    results = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    results = pl.read_delta(str(tmp_path / "out" / "results"))
     invoice = results.filter(pl.col("task") == "invoice")
     assert invoice["error"].str.starts_with("schema: field 'total'").all()
     assert (invoice["error_output"] == bad).all()
@@ -244,7 +244,7 @@ def test_answers_that_fail_twice_are_error_rows_with_their_text(samples, write_j
                            else ("short", "stop"))
     stats = run(job, fixed, retry_errors=True)  # --retry-errors: once the model behaves
     assert stats.rows_ok == 14 and stats.fields_rows == 7
-    current = (pl.read_parquet(tmp_path / "out" / "results" / "*.parquet").sort("finished_at")
+    current = (pl.read_delta(str(tmp_path / "out" / "results")).sort("finished_at")
                .group_by("source", "page", "task").last())
     assert (current["status"] == "ok").all() and (current["attempt"] == 3).all()
 
@@ -262,7 +262,7 @@ def test_the_real_engine_enforces_the_grammar(tiny_model, samples, write_job, tm
         {"name": "text", "prompt": "Transcribe this page.", "max_tokens": 80}]))
     result = run_cli("run", str(job))
     assert result.returncode == 0, result.stderr[-3000:]
-    results = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    results = pl.read_delta(str(tmp_path / "out" / "results"))
     assert results.height == 21
     flags = results.filter(pl.col("task") == "flags")
     assert (flags["status"] == "ok").all() and (flags["finish_reason"] == "stop").all()
@@ -271,17 +271,16 @@ def test_the_real_engine_enforces_the_grammar(tiny_model, samples, write_job, tm
         assert set(answer) == {"paid", "kind"} and isinstance(answer["paid"], bool)
         assert answer["kind"] in ("invoice", "receipt", "other")
     assert (flags["output_tokens"] < 40).all()
-    typed = pl.read_parquet(tmp_path / "out" / "fields" / "flags" / "*.parquet")
+    typed = pl.read_delta(str(tmp_path / "out" / "fields" / "flags"))
     assert typed.height == 7 and typed.schema["paid"] == pl.Boolean
     assert typed.schema["kind"] == pl.String
-    glob = str(tmp_path / "out" / "fields" / "flags" / "*.parquet")
-    assert duckdb.sql(f"SELECT typeof(paid) FROM read_parquet('{glob}') LIMIT 1").fetchall()[0][0] \
-        == "BOOLEAN"
+    flags_table = DeltaTable(str(tmp_path / "out" / "fields" / "flags")).to_pyarrow_dataset()  # noqa: F841
+    assert duckdb.sql("SELECT typeof(paid) FROM flags_table LIMIT 1").fetchall()[0][0] == "BOOLEAN"
 
     amount = results.filter(pl.col("task") == "amount")
     assert amount["error"].str.starts_with("schema: answer cut at max_tokens").all()
     assert amount["error_output"].str.starts_with('{"total":').all()
-    assert not list((tmp_path / "out" / "fields" / "amount").glob("*.parquet"))
+    assert not (tmp_path / "out" / "fields" / "amount").exists()
     text = results.filter(pl.col("task") == "text")
     assert (text["error"] == DEGENERATE).all() and (text["attempt"] == 2).all()
     assert text["error_output"].map_elements(repeating_tail, return_dtype=pl.Boolean).all()
@@ -322,13 +321,13 @@ def test_the_readme_queries_over_a_fields_table(samples, write_job, tmp_path):
 
     run(job, ScriptedEngine(answer))
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Typed fields"):readme.index("## Compacting the parts")]
+    section = readme[readme.index("## Typed fields"):readme.index("## Compacting the tables")]
     blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
     assert len(blocks) == 3
     scope: dict = {}
     for block in blocks:
         exec(block.replace("out/invoices", str(tmp_path / "out")), scope)
-    fields = pl.read_parquet(tmp_path / "out" / "fields" / "invoice" / "*.parquet")
+    fields = pl.read_delta(str(tmp_path / "out" / "fields" / "invoice"))
     unpaid = fields.filter(pl.col("paid").not_())
     assert scope["invoices"].height == unpaid.height > 0
     assert scope["invoices"].schema["date"] == pl.Date

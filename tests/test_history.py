@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from vlbatch.pipeline.history import DigestTable, History, key_digest
-from vlbatch.pipeline.write import RESULT_SCHEMA, OutputFolder
+from vlbatch.output.history import DigestTable, History, key_digest
+from vlbatch.output.folder import OutputFolder
+from vlbatch.output.schemas import RESULT_SCHEMA
 
 
 def _rows(rng: random.Random, n: int) -> list[dict]:

@@ -45,18 +45,22 @@ def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    first = pl.read_parquet(results / "part-*.parquet")
+    first = pl.read_delta(str(results))
     assert 0 < first.height < 80 and (tmp_path / "out" / ".lock").exists()
-    pages = pl.read_parquet(tmp_path / "out" / "pages" / "part-*.parquet")
+    pages = pl.read_delta(str(tmp_path / "out" / "pages"))
     assert first.join(pages, on=["source", "page"], how="anti").height == 0  # pages go first
-    stale = [results / ".part-dead-00009.parquet.tmp", tmp_path / "out" / "_runs" / ".dead.json.tmp"]
-    for path in stale:  # what a death mid-write leaves
+    # what a death between writing a flush's data file and its commit leaves: a data file
+    # no version names (and a commit never renamed into place); a half-written manifest
+    orphan = results / "part-00099-dead-c000.snappy.parquet"
+    for path in (orphan, results / "_delta_log" / "_commit_dead.json.tmp"):
         path.write_bytes(b"PAR1 half")
+    half_manifest = tmp_path / "out" / "_runs" / ".dead.json.tmp"
+    half_manifest.write_text("{")
 
     resumed = run_cli("run", str(job))  # the dead run's lock is taken over
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert not any(path.exists() for path in stale)
-    df = pl.read_parquet(results / "part-*.parquet")
+    assert not half_manifest.exists()
+    df = pl.read_delta(str(results))
     assert df.height == 80 and not df.select(KEY).is_duplicated().any()  # each key once
     assert (df["status"] == "ok").all()
     second = df.filter(pl.col("run_id") != first["run_id"][0])
@@ -66,6 +70,10 @@ def test_kill_and_resume_exactly_once(tiny_model, write_job, tmp_path):
     assert summary["pages_already_done"] >= first.height // 2 - 1
     # answers finished but not yet written when killed come from the result cache
     assert summary["generated"] + summary["cache_hits"] + summary["copied"] == second.height
+    # compaction vacuums the data file no commit names; the rows stay the same
+    compacted = run_cli("compact", str(tmp_path / "out"), "--retain-days", "0")
+    assert compacted.returncode == 0, compacted.stderr[-2000:]
+    assert not orphan.exists() and pl.read_delta(str(results)).sort(KEY).equals(df.sort(KEY))
 
 
 def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model, write_job,
@@ -92,14 +100,14 @@ def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model,
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-2000:]
     assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr
-    first = pl.read_parquet(out / "results" / "part-*.parquet")
+    first = pl.read_delta(str(out / "results"))
     assert seen <= first.height < 48 and (first["status"] == "ok").all()
     manifest = json.loads(next((out / "_runs").glob("*.json")).read_text())
     assert manifest["status"] == "interrupted"
 
     resumed = run_cli("run", str(job))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    df = pl.read_parquet(out / "results" / "part-*.parquet")
+    df = pl.read_delta(str(out / "results"))
     assert df.height == 48 and not df.select(KEY).is_duplicated().any()
     assert (df["status"] == "ok").all()
 
@@ -131,8 +139,13 @@ def test_incremental_run_generates_only_new_and_changed(write_job, tmp_path):
     oddfiles.pdf(docs / "d.pdf", pages=1, text="file d")  # new
     engine = run()
     assert sorted({r.text for r in engine.requests}) and len(engine.requests) == 6
-    current = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
-    assert current.select(KEY).unique().height == 14 and current.height == 18
+    current = pl.read_delta(str(tmp_path / "out" / "results"))
+    assert current.select(KEY).unique().height == current.height == 14
+    changed = current.filter(pl.col("source").str.ends_with("b.pdf"))
+    assert changed["run_id"].n_unique() == 1 and changed["run_id"][0] != current["run_id"].min()
+    # the first edition's rows stay in the table's history
+    first = pl.read_delta(str(tmp_path / "out" / "results"), version=0)
+    assert first.height == 12 and first.filter(pl.col("source").str.ends_with("b.pdf")).height == 4
 
 
 def readme_block(language: str, containing: str) -> str:
@@ -150,18 +163,20 @@ def test_readme_queries_as_written(samples, write_job, tmp_path, monkeypatch):
                 prompts_factory=fake_prompts)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(readme_block("python", "scan_parquet"), scope)
+    exec(readme_block("python", "pl.scan_delta(\"out/demo/results\")"), scope)
     current = scope["current"]
+    # the table as it is: one row a key, the second prompt's answers (no newest-row step)
     assert current.height == 14 and not current.select(KEY).is_duplicated().any()
-    all_rows = pl.read_parquet("out/demo/results/*.parquet")
-    newest = all_rows.sort("finished_at").group_by(KEY).last()
-    assert sorted(current["output"].to_list()) == sorted(newest["output"].to_list())
+    assert current["task_hash"].n_unique() == 2 and current["run_id"].n_unique() == 2
+    second_run = sorted(current["run_id"].unique())[1]
+    assert (current.filter(pl.col("task") == "describe")["run_id"] == second_run).all()
+    assert scope["ok_by_task"]["len"].sum() == 14
 
-    exec(readme_block("python", "QUALIFY"), scope)
+    exec(readme_block("python", "import duckdb"), scope)
     from_duckdb = scope["current"]
-    assert from_duckdb.height == 14
-    joined = from_duckdb.join(current, on=KEY)
-    assert (joined["output"] == joined["output_right"]).all()
+    expected = current.group_by("task", "status").len("rows")
+    assert from_duckdb.sort("task").select("task", "status", pl.col("rows").cast(pl.UInt32)).equals(
+        expected.sort("task"))
 
 
 def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
@@ -177,7 +192,7 @@ def test_error_budget_exit_4_and_inspect(write_job, tmp_path):
     assert manifest["status"] == "error_budget_exceeded" and "over max_error_rate" in manifest["reason"]
     report = json.loads(run_cli("inspect", str(tmp_path / "out"), "--json").stdout)
     assert report["current"] == {"rows": 4, "ok": 0, "error": 4, "transient": 0, "sources": 2,
-                                 "pages": 2}
+                                 "pages": 2, "version": 0}
     assert len(report["runs"]) == 1 and report["runs"][0]["rows_error"] == 4
     assert sum(e["rows"] for e in report["top_errors"]) == 4
     assert "pages" not in report and all(set(r) == {"task", "status", "error_kind", "rows"}

@@ -41,7 +41,7 @@ def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
     sources = tuple(Source(f"f{i}.png", f"/f{i}.png", 1, f"sha{i}") for i in range(4))
     probes = [Probe("image", [PageSize(1, 300, 300)]) for _ in sources]
     from vlbatch.pipeline.identity import task_hashes
-    from vlbatch.pipeline.history import History
+    from vlbatch.output.history import History
 
     hashes = task_hashes(job)
     done = frozenset(("/f0.png", 1, t.name, "sha0", hashes[t.name]) for t in TASKS)

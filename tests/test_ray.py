@@ -38,7 +38,7 @@ def corpus(samples):
 
 
 def rows(output):
-    return pl.read_parquet(output / "results" / "*.parquet").select(SAME).sort("source", "page", "task")
+    return pl.read_delta(str(output / "results")).select(SAME).sort("source", "page", "task")
 
 
 def differences(local, on_ray):
@@ -85,7 +85,7 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
     assert any(s.endswith("receipt-reencoded.jpg") for s in reused)
     assert asked.filter(pl.col("status") == "error")["source"].str.ends_with(".pdf").all()
     assert (asked.filter(pl.col("status") == "ok")["output"].str.len_chars() > 0).all()
-    typed = [pl.read_parquet(tmp_path / o / "fields" / "flags" / "*.parquet")
+    typed = [pl.read_delta(str(tmp_path / o / "fields" / "flags"))
              .drop("run_id", "finished_at").sort("source", "page") for o in ("out-local", "out-ray")]
     assert typed[0].height == asked.filter(pl.col("task") == "flags", pl.col("status") == "ok").height
     assert typed[0].height > 0 and typed[0].equals(typed[1])
@@ -116,7 +116,7 @@ def test_local_and_ray_give_the_same_rows(tiny_model, samples, write_job, tmp_pa
     # this run's budget, the next one stopped again
     result = run_cli("run", str(ray_job), env=ONE_THREAD)
     assert result.returncode == 0, result.stderr[-3000:]
-    again = pl.read_parquet(tmp_path / "out-ray" / "results" / "*.parquet").filter(
+    again = pl.read_delta(str(tmp_path / "out-ray" / "results")).filter(
         pl.col("attempt") == 2).sort("page", "task")
     assert again.height == 8 and again["source"].str.ends_with("report.pdf").all()
     assert again.filter(pl.col("page") == 2)["status"].to_list() == ["ok", "ok", "ok", "error"]
@@ -141,7 +141,7 @@ def test_a_vllm_actor_dying_mid_run_loses_and_duplicates_nothing(local_ray, samp
     stats = run_job(load_job(job), prompts_factory=fakes.fake_prompts,
                     engine_factory=lambda job, prompts: fakes.DiesOnce(marker))
     assert marker.exists()  # the actor did die, and was restarted
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     assert df.height == 14 and df.select("source", "page", "task").unique().height == 14
     assert (df["status"] == "ok").all() and stats.rows_ok == 14 and stats.generated == 12
 
@@ -162,7 +162,7 @@ def test_a_vllm_actor_works_on_several_blocks_at_once(local_ray, samples, write_
                      "ray": {"workers": 1, "pages_per_batch": 1, "batches_per_worker": 2}})
     run_job(load_job(job), prompts_factory=fakes.fake_prompts,
             engine_factory=lambda job, prompts: fakes.AnswersPagesTogether())
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     generated = df.filter(~pl.col("cached"))
     assert generated.height == 12
     together = generated["output"].value_counts().sort("output")
@@ -175,7 +175,7 @@ def test_engine_failing_mid_run_gives_error_rows_and_the_run_goes_on(local_ray, 
                      "ray": {"workers": 1, "pages_per_batch": 1, "batches_per_worker": 1}})
     stats = run_job(load_job(job), prompts_factory=fakes.fake_prompts,
                     engine_factory=lambda job, prompts: fakes.FakeEngine(fail_after=4))
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     assert df.height == 14 and df.select("source", "page", "task").unique().height == 14
     failed = df.filter(pl.col("status") == "error")
     assert stats.rows_error == failed.height > 0 and stats.rows_ok == 14 - failed.height >= 4
@@ -192,7 +192,7 @@ def test_file_time_limit_under_ray_keeps_finished_pages(local_ray, write_job, tm
     fields["render"].update(file_timeout_s=0.000001)
     run_job(load_job(write_job(fields)), prompts_factory=fakes.fake_prompts,
             engine_factory=lambda job, prompts: fakes.FakeEngine())
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     long = df.filter(pl.col("matched_path") == "docs/long.pdf")
     assert long.height == 24 and set(long["page"].to_list()) == set(range(1, 13))
     ok, timed_out = long.filter(pl.col("status") == "ok"), long.filter(pl.col("status") == "error")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import job_fields, run_cli
@@ -80,7 +79,7 @@ def test_plan_says_what_a_run_would_do_without_writing_or_starting_the_engine(ni
     changed.write_text(yaml.safe_dump(fields))
     stale = json.loads(run_cli("plan", str(changed), "--json").stdout)
     assert stale["requests_by_task"] == {"text": 7} and stale["rows_stale"] >= 7
-    results = pl.read_parquet(night["out"] / "results" / "*.parquet")
+    results = pl.read_delta(str(night["out"] / "results"))
     text = results.filter(pl.col("task") == "text")["output_tokens"]
     assert stale["output_tokens"] == round(text.mean() * 7)  # earlier answers, not max_tokens
     assert stale["estimated_seconds"] > 0 and manifest["run_id"] in stale["estimate_note"]
@@ -199,7 +198,9 @@ def test_the_console_check_catches_an_error(tmp_path):
 
 def test_the_report_of_a_100k_page_run_stays_small(night, tmp_path):
     """100,000 pages, a 5,000-sample timeline and 3,000 error reasons: the report samples."""
-    from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA
+    from deltalake import write_deltalake
+
+    from vlbatch.output.schemas import PAGE_SCHEMA, RESULT_SCHEMA
     from vlbatch.run_report import write_report
 
     manifest, _ = _report(night["out"])
@@ -222,11 +223,11 @@ def test_the_report_of_a_100k_page_run_stays_small(night, tmp_path):
             "cached": [False] * n, "source_sha256": ["0" * 64] * n}
     table = pa.table({f.name: rows.get(f.name, [None] * n) for f in RESULT_SCHEMA},
                      schema=RESULT_SCHEMA)
-    pq.write_table(table, out / "results" / "part-big.parquet")
+    write_deltalake(str(out / "results"), table)
     pages = pa.table({f.name: rows.get(f.name, [None] * n) if f.name != "error" else [None] * n
                       for f in PAGE_SCHEMA},
                      schema=PAGE_SCHEMA)
-    pq.write_table(pages, out / "pages" / "part-big.parquet")
+    write_deltalake(str(out / "pages"), pages)
 
     html = write_report(out, run_id).read_text()
     assert len(html.encode()) < 1_500_000

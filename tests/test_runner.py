@@ -26,7 +26,7 @@ def run(job_path, engine=None, **kwargs):
 
 
 def results(job_path, output="out"):
-    return pl.read_parquet(job_path.parent / output / "results" / "*.parquet")
+    return pl.read_delta(str(job_path.parent / output / "results"))
 
 
 def test_rerun_new_task_changed_prompt_and_cache(samples, write_job, tmp_path):
@@ -56,7 +56,7 @@ def test_rerun_new_task_changed_prompt_and_cache(samples, write_job, tmp_path):
     # a new output folder with the same cache: everything served from the cache
     stats, engine = run(job, output=str(tmp_path / "out2"))
     assert len(engine.requests) == 0 and stats.cache_hits > 0
-    fresh = pl.read_parquet(tmp_path / "out2" / "results" / "*.parquet")
+    fresh = pl.read_delta(str(tmp_path / "out2" / "results"))
     assert fresh.height == 21 and fresh["cached"].all()
     joined = fresh.join(current, on=["source", "page", "task"])
     assert (joined["output"] == joined["output_right"]).all()
@@ -311,8 +311,12 @@ def test_error_budget_and_retry_errors(write_job, tmp_path):
     oddfiles.pdf(docs / "bad.pdf", pages=1, text="Mended")  # ...or the file changes
     stats, engine = run(job)
     assert stats.pages_todo == 1 and len(engine.requests) == 2 and stats.rows_ok == 2
-    df = results(job)
-    assert df.filter(pl.col("matched_path") == "docs/bad.pdf")["status"].to_list().count("error") == 4
+    bad = results(job).filter(pl.col("matched_path") == "docs/bad.pdf")
+    # the mended file's page rows are current; its page-null error rows were retired...
+    assert bad["status"].to_list() == ["ok", "ok"] and bad["page"].to_list() == [1, 1]
+    # ...and stay in the table's history, from its first version
+    first = pl.read_delta(str(tmp_path / "out" / "results"), version=0)
+    assert first.filter(pl.col("matched_path") == "docs/bad.pdf")["status"].to_list() == ["error"] * 2
 
 
 def test_moving_the_job_file_changes_nothing(samples, tmp_path):
@@ -333,7 +337,7 @@ def test_moving_the_job_file_changes_nothing(samples, tmp_path):
     assert len(engine.requests) == 12
     stats, engine = run(moved)
     assert stats.pages_todo == 0 and len(engine.requests) == 0
-    df = pl.read_parquet(tmp_path / "out" / "results" / "*.parquet")
+    df = pl.read_delta(str(tmp_path / "out" / "results"))
     assert df["source"].str.starts_with(str(docs) + "/").all()
     assert df["matched_path"].str.starts_with("../docs/").all()
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from vlbatch import LIBRARY_CHATTER_ENV
-from vlbatch.errors import ErrorBudgetExceeded, RunInterrupted, VlbatchError
+from vlbatch.errors import ErrorBudgetExceeded, JobCannotRunError, RunInterrupted, VlbatchError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                   help="Folders of PDFs and images -> Parquet tables of VLM answers (vLLM).")
@@ -168,7 +168,7 @@ def inspect(
     """Runs, rows by task and status, top error reasons and throughput of an output folder."""
     from rich.table import Table
 
-    from vlbatch.inspect_output import inspect_output
+    from vlbatch.output.inspect import inspect_output
 
     try:
         report = inspect_output(output)
@@ -185,13 +185,24 @@ def inspect(
     for run in report["runs"]:
         runs.add_row(*(str(run.get(c.header, "")) for c in runs.columns))
     out_console.print(runs)
+    if report["versions"]:
+        versions = Table(title=f"versions of {output}/results (newest first; read one with "
+                               f"pl.scan_delta(path, version=N))", title_justify="left")
+        for column in ("version", "operation", "action", "run_id", "rows", "added", "updated",
+                       "deleted"):
+            versions.add_column(column, justify="right" if column in ("version", "rows", "added",
+                                                                     "updated", "deleted") else "left")
+        for v in report["versions"][:30]:
+            versions.add_row(*("" if v.get(c.header) is None else str(v.get(c.header))
+                               for c in versions.columns))
+        out_console.print(versions)
     current = report["current"]
     if current:
         out_console.print(f"current rows: {current['rows']} ({current['ok']} ok, {current['error']} "
                           f"error, {current['transient']} of them transient: the next run "
                           f"retries those) over {current['pages']} pages of "
-                          f"{current['sources']} sources; {report['rows_written']} rows "
-                          f"written in all")
+                          f"{current['sources']} sources (version {current['version']}); "
+                          f"{report['rows_written']} rows written in all")
         tasks = Table(title="current rows by task", title_justify="left")
         for column in ("task", "status", "error kind", "rows"):
             tasks.add_column(column)
@@ -200,7 +211,7 @@ def inspect(
         out_console.print(tasks)
     for table in report["fields"]:
         columns = ", ".join(f"{name} {kind}" for name, kind in table["columns"].items())
-        out_console.print(f"fields/{table['task']}: {table['rows']} rows written; {columns}")
+        out_console.print(f"fields/{table['task']}: {table['rows']} current rows; {columns}")
     if report["top_errors"]:
         errors = Table(title="top error reasons", title_justify="left")
         errors.add_column("rows", justify="right")
@@ -214,28 +225,28 @@ def inspect(
 @app.command()
 def compact(
     output: Path = typer.Argument(..., help="An output folder of vlbatch run."),
-    current: bool = typer.Option(False, "--current", help="Keep only each key's current "
-                                 "(newest) row; default: every row."),
-    rows_per_part: int = typer.Option(500_000, "--rows-per-part", min=1,
-                                      help="Rows per compacted part."),
+    retain_days: float = typer.Option(7.0, "--retain-days", min=0,
+                                      help="Keep the files of every version this many days "
+                                           "old or newer (their history stays readable)."),
 ) -> None:
-    """Merge the small parts of results, pages and fields into large ones, atomically, under
-    the output's lock: readers see the old parts or the new ones."""
+    """Compact each table's small files into large ones and vacuum the files no version
+    within --retain-days reads, under the output's lock: readers see the version before
+    or after, the same rows."""
     from rich.table import Table
 
-    from vlbatch.compact import compact_output
+    from vlbatch.output.compact import compact_output
 
     try:
-        tables = compact_output(output, current=current, rows_per_part=rows_per_part)
+        tables = compact_output(output, retain_days=retain_days)
     except Exception as e:  # noqa: BLE001
         _fail(e, False)
         return
     summary = Table(title=f"compacted {output}", title_justify="left")
-    for column in ("table", "parts before", "parts after", "rows before", "rows after"):
+    for column in ("table", "files before", "files after", "rows", "files vacuumed", "version"):
         summary.add_column(column, justify="left" if column == "table" else "right")
     for t in tables:
-        summary.add_row(t.table, str(t.parts_before), str(t.parts_after), str(t.rows_before),
-                        str(t.rows_after))
+        summary.add_row(t.table, str(t.files_before), str(t.files_after), str(t.rows),
+                        str(t.files_vacuumed), str(t.version))
     out_console.print(summary)
 
 
@@ -294,6 +305,31 @@ def plan(
     for what, figure in plan_rows(the_plan):
         table.add_row(what, figure)
     out_console.print(table)
+
+
+@app.command()
+def migrate(
+    output: Path = typer.Argument(..., help="An output folder of an earlier vlbatch version."),
+) -> None:
+    """Convert an output folder of Parquet parts (vlbatch before its tables) into Delta Lake
+    tables, every row kept (each earlier run one version). A run does this by itself."""
+    from vlbatch.output.folder import OutputFolder
+    from vlbatch.output.migrate import migrate_output, needs_migration
+
+    try:
+        if not (output / "results").is_dir():
+            raise JobCannotRunError(f"{output} is not a vlbatch output folder (no results/)")
+        folder = OutputFolder(output)
+        with folder.lock():
+            done = migrate_output(folder) if needs_migration(folder) else {}
+            folder.check_tables()
+    except Exception as e:  # noqa: BLE001
+        _fail(e, False)
+        return
+    if not done:
+        out_console.print(f"{output}: nothing to migrate (its tables are Delta Lake tables)")
+    for path, versions in done.items():
+        out_console.print(f"{path}: migrated into a table of {versions} versions")
 
 
 @app.command("schema")

@@ -21,8 +21,8 @@ from vlbatch.pipeline.imaging import IMAGE_FACTOR
 from vlbatch.pipeline.plan import PageUnit, image_tokens
 from vlbatch.pipeline.render import render_pool
 from vlbatch.pipeline.workers import default_workers
-from vlbatch.pipeline.history import History
-from vlbatch.pipeline.write import OutputFolder
+from vlbatch.output.history import History
+from vlbatch.output.folder import OutputFolder
 
 PROBE_WORKERS = 4  # at most: a plan is a quick look, not a run
 
@@ -131,13 +131,15 @@ def _output_tokens(job: Job, by_task: Counter, output: OutputFolder | None) -> t
 
 
 def _mean_output_tokens(output: OutputFolder) -> dict[str, float]:
+    import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     sums: Counter = Counter()
     counts: Counter = Counter()
-    for path in output.part_files():
-        table = pq.read_table(path, columns=["task", "output_tokens"])
+    for batch in output.result_batches(["task", "output_tokens"]):
+        table = pa.Table.from_batches([batch])
+        if "output_tokens" not in table.column_names:
+            continue
         generated = table.filter(pc.is_valid(table["output_tokens"]))  # cached ones too
         for row in generated.group_by("task").aggregate([("output_tokens", "sum"),
                                                          ("output_tokens", "count")]).to_pylist():

@@ -29,7 +29,9 @@ from vlbatch.pipeline.cache import FeatureCache, ResultCache
 from vlbatch.pipeline.render import RenderFailure, render_pool
 from vlbatch.pipeline.sink import RunSink, RunStats
 from vlbatch.pipeline.workers import default_workers
-from vlbatch.pipeline.write import OutputFolder
+from vlbatch.output.folder import OutputFolder
+from vlbatch.output.migrate import migrate_output, needs_migration
+from vlbatch.output.retire import retire_stale
 
 ProgressCallback = Callable[[RunStats], None]
 log = logging.getLogger("vlbatch")
@@ -100,6 +102,9 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
         raise JobCannotRunError(missing)
     output = OutputFolder(job.output)
     with output.lock():
+        if needs_migration(output):  # a folder of an earlier version's parts: once
+            migrate_output(output)
+        output.check_tables()  # a damaged table: exit 3 before anything is written
         run_id = new_run_id()
         results = ResultCache(job.tenant_cache, job.cache_size_gib) if job.result_cache else None
         sink = RunSink(job, run_id, output, results, progress)
@@ -150,6 +155,11 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             background.shutdown(wait=False)
             lap()
             sink.close()
+            if plan is not None and closing_error is None:
+                # rows no input stands behind now: vanished, moved, shortened, unreadable
+                stats.rows_retired = sum(retire_stale(
+                    [*(output.fields / t for t in sink.fields), output.results, output.pages],
+                    run_id, plan.pages).values())
             for opened in (results, features):
                 if opened is not None:
                     stats.cache_corrupt += opened.corrupt

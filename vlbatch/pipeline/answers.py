@@ -150,7 +150,7 @@ _ARROW = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
           "boolean": pa.bool_(), "date": pa.date32(), "datetime": pa.timestamp("us", tz="UTC")}
 FIELDS_KEY_SCHEMA = pa.schema([
     ("source", pa.string()), ("page", pa.int32()), ("task", pa.string()),
-    ("run_id", pa.string()), ("finished_at", pa.timestamp("ms", tz="UTC")),
+    ("run_id", pa.string()), ("finished_at", pa.timestamp("us", tz="UTC")),
     ("content_hash", pa.string()),
 ])
 assert tuple(FIELDS_KEY_SCHEMA.names) == KEY_COLUMNS

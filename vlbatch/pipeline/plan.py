@@ -18,7 +18,7 @@ from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.discover import Source
 from vlbatch.pipeline.imaging import PageImageError, smart_resize
 from vlbatch.pipeline.ingest import Probe
-from vlbatch.pipeline.history import DoneKey
+from vlbatch.output.history import DoneKey
 
 
 @dataclass(frozen=True)

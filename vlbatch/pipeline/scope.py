@@ -19,7 +19,7 @@ from vlbatch.pipeline.discover import Source, discover
 from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
 from vlbatch.pipeline.workers import WorkerPool
-from vlbatch.pipeline.history import History
+from vlbatch.output.history import History
 
 log = logging.getLogger("vlbatch")
 
@@ -30,6 +30,7 @@ class Plan:
     pages_in_scope: int
     todo: tuple[PageUnit, ...]  # pages with tasks left, in input order
     stale: int = 0  # rows to do again because their settings changed
+    pages: tuple[tuple[str, int | None], ...] = ()  # every input page (path, page): all current rows
 
     @property
     def unopenable(self) -> tuple[PageUnit, ...]:
@@ -73,7 +74,8 @@ def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
     todo = select_todo(in_scope, job.tasks, is_done_in(history, hashes))
     stale = sum(history.was_answered(key) and not history.attempt(key)
                 for key in (done_key(u, t, hashes[t.name]) for u in todo for t in u.tasks))
-    return Plan(sources, len(in_scope), tuple(todo), stale)
+    return Plan(sources, len(in_scope), tuple(todo), stale,
+                tuple((u.source.abs_path, u.page) for u in units))
 
 
 def order(job: Job, units: tuple[PageUnit, ...], prompts) -> list[PageUnit]:

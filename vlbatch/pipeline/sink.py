@@ -1,4 +1,4 @@
-"""sink: routed pages and completions -> rows (Parquet parts), counters, the result cache.
+"""sink: routed pages and completions -> rows (the output's tables), counters, the result cache.
 
 Both executors hand the sink the same things: a page that failed, a routed page (its page
 row, and for each task an answer now, a copy to answer when its original is answered, or a
@@ -24,8 +24,10 @@ from vlbatch.pipeline.plan import PageUnit, done_key
 from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
 from vlbatch.pipeline.runlog import FileLog, Timeline
-from vlbatch.pipeline.history import History
-from vlbatch.pipeline.write import PAGE_SCHEMA, RESULT_SCHEMA, OutputFolder, PartWriter
+from vlbatch.output.folder import OutputFolder
+from vlbatch.output.history import History
+from vlbatch.output.schemas import FIELDS_KEY, PAGE_KEY, PAGE_SCHEMA, RESULT_KEY, RESULT_SCHEMA
+from vlbatch.output.table import TableWriter
 
 log = logging.getLogger("vlbatch")
 
@@ -59,6 +61,7 @@ class RunStats:
     bad_answers: int = 0  # generated, but kept as errors (schema:, degenerate output)
     fields_rows: int = 0  # typed rows written to fields/<task>/
     rows_stale: int = 0  # rows done again: their prompt, sampling, model or render changed
+    rows_retired: int = 0  # current rows retired: their file vanished, moved, shrank, broke
     pages_with_errors: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -130,22 +133,26 @@ class RunSink:
         self.stats = RunStats(run_id=run_id)
         self.engine_version: str | None = None  # the engine that answered, as it reports it
         self.progress = progress or (lambda stats: None)
-        self.pages = PartWriter(output.pages, run_id, PAGE_SCHEMA, job.part_rows,
-                                job.part_seconds)
+        self.history = History.of()  # what the tables held when the run began (run.py sets it)
+        # a flush of rows whose keys the table cannot hold yet is an append, else a merge
+        had_page = lambda row: self.history.has_row(row["source"], row["page"])  # noqa: E731
+        had_row = lambda row: self.history.has_row(row["source"], row["page"], row["task"])  # noqa: E731
+        self.pages = TableWriter(output.pages, run_id, PAGE_SCHEMA, PAGE_KEY, job.part_rows,
+                                 job.part_seconds, known=had_page)
         # a schema task's typed rows (answers.py), after their pages
-        self.fields = {t.name: PartWriter(output.fields_of(t.name), run_id, fields_schema(t),
-                                          job.part_rows, job.part_seconds,
-                                          before_flush=self.pages.flush)
+        self.fields = {t.name: TableWriter(output.fields / t.name, run_id, fields_schema(t),
+                                           FIELDS_KEY, job.part_rows, job.part_seconds,
+                                           before_flush=self.pages.flush, known=had_row)
                        for t in job.tasks if t.answer_schema is not None}
         # pages and fields first: a reader never sees a result row without its page row
-        self.results = PartWriter(output.results, run_id, RESULT_SCHEMA, job.part_rows,
-                                  job.part_seconds, before_flush=self._flush_pages_and_fields)
+        self.results = TableWriter(output.results, run_id, RESULT_SCHEMA, RESULT_KEY,
+                                   job.part_rows, job.part_seconds,
+                                   before_flush=self._flush_pages_and_fields, known=had_row)
         self.book = AnswerBook(results)
         self.pending: dict[str, _Row] = {}  # request key -> the row its answer goes to
         self.unseen: dict[int, PageUnit] = {}  # planned pages without a page row yet
         self.tasks_left: dict[int, int] = {}
         self.error_pages: set[int] = set()
-        self.history = History.of()  # what earlier runs left: the attempts made so far
         self.task_hashes = task_hashes(job)
         self.timeline = Timeline()  # for the run report (runlog.py)
         self.file_log = FileLog()
@@ -257,6 +264,11 @@ class RunSink:
         finished_at = datetime.now(timezone.utc)
         if error is None and task.name in self.fields:
             error, error_output = self._fields_row(row, output, finished_at)
+        if error is not None and task.name in self.fields and \
+                self.history.has_row(unit.source.abs_path, unit.page, task.name):
+            # its earlier typed row is not current any more
+            self.fields[task.name].remove(dict(source=unit.source.abs_path, page=unit.page,
+                                               task=task.name))
         kind = error_kind(error)
         self.results.add(dict(
             source=unit.source.abs_path, page=unit.page, task=task.name,

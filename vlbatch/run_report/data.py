@@ -65,13 +65,17 @@ def run_manifest(root: Path, run_id: str | None) -> dict:
 
 
 def _scan(folder: Path, run_id: str, columns: list[str]):
+    """The table's current rows this run wrote (None without a table)."""
     import polars as pl
 
-    parts = sorted(folder.glob("*.parquet"))
-    if not parts:
+    from vlbatch.output.table import is_table
+
+    if not is_table(folder):
         return None
-    return (pl.scan_parquet(parts, missing_columns="insert", extra_columns="ignore")
-            .filter(pl.col("run_id") == run_id).select(columns))
+    scan = pl.scan_delta(str(folder))
+    have = scan.collect_schema().names()
+    return scan.filter(pl.col("run_id") == run_id).select(
+        [pl.col(c) if c in have else pl.lit(None).alias(c) for c in columns])
 
 
 def _stable_rank(source: str, page: int | None) -> str:
@@ -167,16 +171,16 @@ def _clip(text: str | None) -> str | None:
 def _fields_tables(root: Path, manifest: dict) -> dict[str, dict]:
     import polars as pl
 
+    from vlbatch.output.table import is_table
+
     tables = {}
     for task in manifest.get("config", {}).get("tasks", []):
         if not (task.get("schema") or task.get("fields")):
             continue
         scan = None
         folder = root / "fields" / task["name"]
-        if folder.is_dir() and any(folder.glob("*.parquet")):
-            scan = pl.scan_parquet(sorted(folder.glob("*.parquet")), missing_columns="insert",
-                                   extra_columns="ignore").filter(
-                pl.col("run_id") == manifest["run_id"])
+        if is_table(folder):
+            scan = pl.scan_delta(str(folder)).filter(pl.col("run_id") == manifest["run_id"])
         if scan is None:
             tables[task["name"]] = {"columns": [], "rows": [], "total": 0}
             continue

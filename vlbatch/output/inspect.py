@@ -1,5 +1,6 @@
-"""`vlbatch inspect OUTPUT`: what an output folder holds, from its Parquet parts and run
-manifests: runs, the current rows by task and status, top error reasons, throughput."""
+"""`vlbatch inspect OUTPUT`: what an output folder holds, from its tables and run
+manifests: runs, the results table's versions with the run that wrote each, the current
+rows by task and status, top error reasons, throughput."""
 
 from __future__ import annotations
 
@@ -9,21 +10,34 @@ from pathlib import Path
 from vlbatch.errors import JobCannotRunError
 
 
-def scan_results(results_glob: str):
-    """The results parts as one polars LazyFrame, in the current schema: parts written
-    before a column existed (`attempt`, `error_kind`) read it as null."""
+def current_rows(root: Path):
+    """The results table's current rows (one a page x task), as polars."""
     import polars as pl
 
-    from vlbatch.pipeline.write import RESULT_SCHEMA
-
-    schema = pl.from_arrow(RESULT_SCHEMA.empty_table()).schema
-    return pl.scan_parquet(results_glob, schema=schema, missing_columns="insert")
+    return pl.read_delta(str(Path(root) / "results"))
 
 
-def current_rows(results_glob: str):
-    """The current answer for every page x task: its newest row (the README's query)."""
-    return (scan_results(results_glob).sort("finished_at")
-            .group_by("source", "page", "task").last().collect())
+def versions(path: Path) -> list[dict]:
+    """Each version of a table, newest first: when, what, the run that made it, its counts."""
+    from vlbatch.output.table import open_table
+
+    table = open_table(path, check_files=False)
+    if table is None:
+        return []
+    found = []
+    for commit in table.history():
+        metrics = commit.get("operationMetrics") or {}
+        found.append({"version": commit.get("version"),
+                      "at": commit.get("timestamp"),
+                      "operation": commit.get("operation"),
+                      "run_id": commit.get("vlbatch.run_id"),
+                      "action": commit.get("vlbatch.action"),
+                      "rows": commit.get("vlbatch.rows"),
+                      "added": metrics.get("num_added_rows", metrics.get("num_target_rows_inserted")),
+                      "updated": metrics.get("num_target_rows_updated"),
+                      "deleted": metrics.get("num_target_rows_deleted",
+                                             metrics.get("num_deleted_rows"))})
+    return found
 
 
 def inspect_output(root: Path) -> dict:
@@ -48,19 +62,25 @@ def inspect_output(root: Path) -> dict:
                      "rows_transient": s.get("rows_transient"), "seconds": s.get("seconds"),
                      "pages_per_s": s.get("pages_per_s")})
     report: dict = {"output": str(root), "runs": runs, "rows_written": 0, "current": {},
+                    "versions": [],
                     "by_task": [], "top_errors": [], "fields": _fields_tables(root)}
-    if not list((root / "results").glob("part-*.parquet")):
+    from vlbatch.output.table import is_table, open_table
+
+    if not is_table(root / "results"):
         return report
-    glob = str(root / "results" / "part-*.parquet")
-    report["rows_written"] = scan_results(glob).select(pl.len()).collect().item()
-    current = current_rows(glob)
+    open_table(root / "results")  # a damaged table: said, exit 3
+    report["versions"] = versions(root / "results")
+    report["rows_written"] = sum(int(v["rows"] or 0) for v in report["versions"]
+                                 if v["action"] in ("write", "merge", "migrate"))
+    current = current_rows(root)
     report["current"] = {"rows": current.height,
                          "ok": current.filter(pl.col("status") == "ok").height,
                          "error": current.filter(pl.col("status") == "error").height,
                          # the next run retries these by itself (failures.py)
                          "transient": current.filter(pl.col("error_kind") == "transient").height,
                          "sources": current["source"].n_unique(),
-                         "pages": current.select("source", "page").unique().height}
+                         "pages": current.select("source", "page").unique().height,
+                         "version": report["versions"][0]["version"] if report["versions"] else None}
     report["by_task"] = (current.group_by("task", "status", "error_kind").len("rows")
                          .sort("task", "status", "error_kind", nulls_last=True).to_dicts())
     report["top_errors"] = (current.filter(pl.col("status") == "error")
@@ -71,19 +91,19 @@ def inspect_output(root: Path) -> dict:
 
 
 def _fields_tables(root: Path) -> list[dict]:
-    """Each schema task's fields table: rows written and its typed columns."""
-    import pyarrow.parquet as pq
+    """Each schema task's fields table: its current rows and typed columns."""
+    import pyarrow as pa
 
     from vlbatch.answer_schema import KEY_COLUMNS
+    from vlbatch.output.table import open_table
 
     tables = []
     for folder in sorted((root / "fields").glob("*")):
-        parts = sorted(folder.glob("part-*.parquet"))
-        if not parts:
+        table = open_table(folder) if folder.is_dir() else None
+        if table is None:
             continue
-        schema = pq.read_schema(parts[-1])
-        tables.append({"task": folder.name, "rows": sum(pq.ParquetFile(p).metadata.num_rows
-                                                        for p in parts),
+        schema = pa.schema(table.schema().to_arrow())
+        tables.append({"task": folder.name, "rows": table.to_pyarrow_dataset().count_rows(),
                        "columns": {f.name: str(f.type) for f in schema
                                    if f.name not in KEY_COLUMNS}})
     return tables

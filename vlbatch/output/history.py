@@ -1,5 +1,5 @@
-"""history: what earlier runs left in an output folder, per page x task key: finished
-(nothing to do), or tried and failed (its attempt number), read from the result parts.
+"""history: what the results table's current rows say, per page x task key: finished
+(nothing to do), or tried and failed (its attempt number); and which keys the tables hold.
 
 Keys are held as 16-byte digests in sorted numpy arrays (16 bytes a key, 17 with an
 attempt number), never as Python objects: the scan of 100,000 rows holds a few MB, and
@@ -11,11 +11,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
 BATCH = 20_000  # rows turned into Python objects at a time
@@ -67,6 +65,8 @@ class History:
     done: DigestTable
     attempts: DigestTable  # keys whose newest row is an error, with its attempt number
     answered: DigestTable = field(default_factory=DigestTable)  # (source, page, task, file hash) with a row
+    keys: DigestTable = field(default_factory=DigestTable)  # (source, page, task) with a current row
+    pages: DigestTable = field(default_factory=DigestTable)  # (source, page) with a current row
 
     @classmethod
     def of(cls, done: Iterable[DoneKey] = ()) -> History:
@@ -83,8 +83,15 @@ class History:
         """Whether the key's page and task has a row under any settings."""
         return key_digest(key[:4]) in self.answered
 
+    def has_row(self, source: str, page: int | None, task: str | None = None) -> bool:
+        """Whether the results table (task given) or the pages table holds a row of the key."""
+        if task is None:
+            return key_digest((source, page)) in self.pages
+        return key_digest((source, page, task)) in self.keys
+
     def nbytes(self) -> int:
-        return self.done.nbytes() + self.attempts.nbytes() + self.answered.nbytes()
+        return sum(t.nbytes() for t in (self.done, self.attempts, self.answered, self.keys,
+                                        self.pages))
 
 
 class _Columns:
@@ -109,24 +116,31 @@ COLUMNS = ["source", "page", "task", "source_sha256", "task_hash", "status", "er
            "attempt", "finished_at"]
 
 
-def scan(parts: Iterable[Path], schema: pa.Schema, retry_errors: bool = False,
+def scan(batches: Iterable[pa.RecordBatch], retry_errors: bool = False,
          max_attempts: int = 3) -> History:
-    """Each key's newest row decides: ok is done; a permanent error is done unless retrying
-    errors; a transient one is done once it used its `max_attempts` (unless retrying
-    errors). Rows written before `attempt` and `error_kind` existed count as attempt 1 of
-    a permanent error. Newest: the latest `finished_at`; a row without one is newer than
-    every row before it (parts oldest first, rows in order)."""
+    """Each key's newest row decides (the results table holds one a key; its history more):
+    ok is done; a permanent error is done unless retrying errors; a transient one is done
+    once it used its `max_attempts` (unless retrying errors). Rows written before `attempt`
+    and `error_kind` existed count as attempt 1 of a permanent error. Newest: the latest
+    `finished_at`; a row without one is newer than every row before it."""
     rows = _Columns()
     latest = np.iinfo(np.int64).min
-    for path in parts:
-        table = pq.read_table(path, columns=COLUMNS, schema=schema)
-        table = table.set_column(8, "finished_at", table.column(8).cast(pa.int64()))
-        for batch in table.to_batches(max_chunksize=BATCH):
+    keys3, pages = [], []
+    for whole in batches:
+        for batch in pa.Table.from_batches([whole]).to_batches(max_chunksize=BATCH):
+            columns = {name: batch.column(name) for name in COLUMNS if name in batch.schema.names}
+            at_column = columns.get("finished_at")
+            if at_column is not None:
+                columns["finished_at"] = at_column.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64())
+            n = batch.num_rows
+            values = [columns[name].to_pylist() if name in columns else [None] * n
+                      for name in COLUMNS]
             keys, answered, state, attempts, times = [], [], [], [], []
-            for s, p, t, h, th, status, kind, attempt, at in zip(
-                    *(column.to_pylist() for column in batch.columns)):
+            for s, p, t, h, th, status, kind, attempt, at in zip(*values):
                 keys.append(key_digest((s, p, t, h, th)))
                 answered.append(key_digest((s, p, t, h)))
+                keys3.append(key_digest((s, p, t)))
+                pages.append(key_digest((s, p)))
                 state.append(_OK if status == "ok" else _TRANSIENT if kind == "transient"
                              else _PERMANENT)
                 attempts.append(min(attempt or 1, 65535))
@@ -149,4 +163,4 @@ def scan(parts: Iterable[Path], schema: pa.Schema, retry_errors: bool = False,
     else:
         done = ~failed | (state == _PERMANENT) | (attempts >= max_attempts)
     return History(DigestTable(keys[done]), DigestTable(keys[failed], attempts[failed]),
-                   DigestTable(np.unique(answered)))
+                   DigestTable(np.unique(answered)), DigestTable.of(keys3), DigestTable.of(pages))
