@@ -8,7 +8,9 @@
 #   "pymupdf==1.28.2 polars==2.1.0 polars-runtime-32==2.1.0 diskcache==5.6.3 imagehash==4.3.2
 #   pywavelets==1.10.0 pebble==5.2.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
 #   referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 lm-format-enforcer==0.11.3
-#   interegular==0.3.3 outlines_core==0.2.14"  (vLLM 0.26 imports the last three for every
+#   interegular==0.3.3 outlines_core==0.2.14 deltalake==1.6.6 arro3-core==0.9.1 deprecated==1.3.1
+#   wrapt==2.5.2"  (deltalake: the output tables; its abi3 wheel fits the device's pyarrow 25
+#   and Python 3.12) (vLLM 0.26 imports the last three for every
 #   structured request, whatever the backend), PART_MB=58: two parts. The run report's plots
 #   need "matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1
 #   pyparsing==3.3.3" too where the image lacks them (without, a run warns and writes no report).

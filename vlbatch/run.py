@@ -157,9 +157,9 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             sink.close()
             if plan is not None and closing_error is None:
                 # rows no input stands behind now: vanished, moved, shortened, unreadable
-                stats.rows_retired = sum(retire_stale(
-                    [*(output.fields / t for t in sink.fields), output.results, output.pages],
-                    run_id, plan.pages).values())
+                retired = retire_stale([*(output.fields / t for t in sink.fields),
+                                        output.results, output.pages], run_id, plan.pages)
+                stats.rows_retired = retired.get(str(output.results), 0)
             for opened in (results, features):
                 if opened is not None:
                     stats.cache_corrupt += opened.corrupt

@@ -1,8 +1,8 @@
 """migrate: an output folder of the earlier layout (append-only `part-*.parquet` files in
 results/, pages/, fields/<task>/) converted once into tables, every row kept.
 
-Each earlier run becomes one version, oldest first (run ids begin with their UTC start, so
-they sort in time), so the table's history holds every row ever written and its newest
+Each earlier run becomes one version, oldest first (by its manifest's `finished_at`, else
+its run id, which begins with its UTC start), so the table's history holds every row ever written and its newest
 version the current row per key, as the earlier "newest row per key" query gave it. A
 compacted part holds rows of many runs: rows are grouped by their own run_id.
 
@@ -41,10 +41,24 @@ def migrate_output(output: OutputFolder) -> dict[str, int]:
         if is_table(path) or not parts:
             continue
         key, schema = _key_and_schema(output, path)
-        done[str(path)] = _migrate_table(path, parts, key, schema)
+        done[str(path)] = _migrate_table(path, parts, key, schema, _run_times(output))
         log.info("migrated %s: %d parts into a table of %d versions", path, len(parts),
                  done[str(path)])
     return done
+
+
+def _run_times(output: OutputFolder) -> dict[str, str]:
+    """run id -> when it finished, from the manifests that read."""
+    import json
+
+    times = {}
+    for path in output.runs.glob("*.json"):
+        try:
+            manifest = json.loads(path.read_text())
+            times[manifest["run_id"]] = str(manifest.get("finished_at") or "")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return times
 
 
 def _key_and_schema(output: OutputFolder, path: Path):
@@ -72,7 +86,7 @@ def _read_parts(parts: list[Path], schema: pa.Schema | None):
 
 
 def _migrate_table(path: Path, parts: list[Path], key: tuple[str, ...],
-                   schema: pa.Schema | None) -> int:
+                   schema: pa.Schema | None, run_times: dict[str, str]) -> int:
     import polars as pl
     from deltalake import DeltaTable, write_deltalake
 
@@ -83,7 +97,8 @@ def _migrate_table(path: Path, parts: list[Path], key: tuple[str, ...],
     staging = path.parent / f".{path.name}.migrating"
     shutil.rmtree(staging, ignore_errors=True)
     versions = 0
-    runs = sorted(rows["run_id"].unique().to_list(), key=lambda r: (r is None, r or ""))
+    runs = sorted(rows["run_id"].unique().to_list(),
+                  key=lambda r: (r is not None, run_times.get(r or "", ""), r or ""))
     for run_id in runs:
         of_run = rows.filter(pl.col("run_id").eq_missing(run_id)) \
             .sort([*order, "_part", "_row"], nulls_last=False).select(columns)

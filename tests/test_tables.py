@@ -1,0 +1,262 @@
+"""The output tables over several nights: exactly the current row per key (vanished, moved,
+shortened and broken files retired; A -> B -> A back to A from the cache; fields never ahead
+of results), history by version, readers during commits and compaction, a damaged table
+(exit 3, nothing written), and the migration of a folder of the earlier parts layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import polars as pl
+import pytest
+from deltalake import DeltaTable
+
+import oddfiles
+from conftest import ROOT, job_fields, run_cli
+from fakes import ScriptedEngine, fake_prompts
+from vlbatch.job import load_job
+from vlbatch.run import run_job
+
+KEY = ["source", "page", "task"]
+
+
+def night(job_path: Path, answer=None):
+    """One night's run with a scripted engine (the engine is not the subject here)."""
+    engine = ScriptedEngine(answer or (lambda r: (
+        json.dumps({"paid": r.image.width % 2 == 0}) if r.task.name == "flags"
+        else f"{r.text} / {r.image.width}x{r.image.height}", "stop")))
+    stats = run_job(load_job(job_path), engine_factory=lambda j, p: engine,
+                    prompts_factory=fake_prompts)
+    return stats, engine
+
+
+def tables(out: Path) -> dict[str, pl.DataFrame]:
+    found = {"results": pl.read_delta(str(out / "results")),
+             "pages": pl.read_delta(str(out / "pages"))}
+    if (out / "fields" / "flags").exists():
+        found["flags"] = pl.read_delta(str(out / "fields" / "flags"))
+    return found
+
+
+def assert_consistent(t: dict[str, pl.DataFrame]) -> None:
+    """One row a key in every table; every result row has its page row; every typed row is
+    the results table's current ok answer of its key."""
+    results = t["results"]
+    assert not results.select(KEY).is_duplicated().any()
+    assert not t["pages"].select("source", "page").is_duplicated().any()
+    assert results.join(t["pages"], on=["source", "page"], how="anti", nulls_equal=True).height == 0
+    if "flags" in t:
+        ok = results.filter(pl.col("task") == "flags", pl.col("status") == "ok")
+        assert t["flags"].join(ok, on=KEY, how="anti", nulls_equal=True).height == 0
+        assert not t["flags"].select(KEY).is_duplicated().any()
+
+
+@pytest.fixture
+def archive(tmp_path, write_job):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    oddfiles.pdf(docs / "a.pdf", pages=2, text="file a")
+    oddfiles.pdf(docs / "b.pdf", pages=3, text="file b")
+    oddfiles.pdf(docs / "c.pdf", pages=1, text="file c")
+    shutil.copy(ROOT / "data" / "samples" / "chart.jpg", docs / "d.jpg")
+    fields = job_fields("fake-model", ["docs/*", "docs/sub/*"])
+    fields["tasks"].append({"name": "flags", "prompt": "Paid?", "max_tokens": 20,
+                            "fields": {"paid": "boolean"}})
+    return docs, write_job(fields), tmp_path / "out"
+
+
+def test_deleted_moved_shortened_and_broken_files_leave_no_current_rows(archive):
+    docs, job, out = archive
+    night(job)
+    first = tables(out)
+    assert first["results"].height == 7 * 3 and first["flags"].height == 7
+    assert_consistent(first)
+
+    (docs / "c.pdf").unlink()  # deleted
+    shutil.move(docs / "d.jpg", docs / "sub" / "d.jpg")  # moved: same bytes, new path
+    oddfiles.pdf(docs / "b.pdf", pages=1, text="file b")  # shortened (and changed)
+    oddfiles.random_bytes(docs / "a.pdf")  # unreadable now
+    stats, engine = night(job)
+    now = tables(out)
+    assert_consistent(now)
+    results = now["results"]
+    by_file = {Path(s).name: sorted(g["page"].to_list(), key=lambda p: p or 0)
+               for (s,), g in results.group_by("source")}
+    assert set(by_file) == {"a.pdf", "b.pdf", "d.jpg"}
+    assert by_file["a.pdf"] == [None] * 3  # its page-null error rows, nothing else
+    assert (results.filter(pl.col("source").str.ends_with("a.pdf"))["status"] == "error").all()
+    assert by_file["b.pdf"] == [1] * 3
+    moved = results.filter(pl.col("source").str.ends_with("d.jpg"))
+    assert moved["matched_path"].unique().to_list() == ["docs/sub/d.jpg"]
+    assert moved["cached"].all()  # from the result cache, not generated again
+    # b's one page is its old first page: nothing new to generate this night
+    assert not engine.requests and stats.cache_hits == 6
+    assert stats.rows_retired == (2 + 1 + 2 + 1) * 3  # a's pages, c, b's pages 2-3, old d
+    # the typed rows follow: none for the broken file, b's one page, the moved file's
+    assert sorted(Path(s).name for s in now["flags"]["source"]) == ["b.pdf", "d.jpg"]
+    assert now["results"]["status"].value_counts().filter(pl.col("status") == "ok")["count"][0] == 6
+    # every earlier row is still in the history: version 0 is the first night
+    v0 = pl.read_delta(str(out / "results"), version=0)
+    assert v0.sort(KEY).equals(first["results"].sort(KEY))
+
+    # the broken file mended: its error rows retired, its pages back
+    oddfiles.pdf(docs / "a.pdf", pages=2, text="file a")
+    night(job)
+    again = tables(out)
+    assert_consistent(again)
+    a = again["results"].filter(pl.col("source").str.ends_with("a.pdf"))
+    assert sorted(a["page"].to_list()) == [1, 1, 1, 2, 2, 2] and (a["status"] == "ok").all()
+
+
+def test_a_prompt_changed_and_changed_back_gives_the_first_answers_from_the_cache(
+        archive, write_job):
+    docs, job, out = archive
+    fields = job_fields("fake-model", ["docs/*"])
+
+    def with_prompt(prompt: str) -> Path:
+        fields["tasks"][0]["prompt"] = prompt
+        return write_job(fields)
+
+    night(with_prompt("A"))
+    a_rows = tables(out)["results"].filter(pl.col("task") == "describe")
+    night(with_prompt("B"))
+    b_rows = tables(out)["results"].filter(pl.col("task") == "describe")
+    assert (b_rows["output"].str.starts_with("B")).all()
+    stats, engine = night(with_prompt("A"))
+    back = tables(out)["results"].filter(pl.col("task") == "describe")
+    assert_consistent(tables(out))
+    assert back.height == a_rows.height
+    assert back.sort(KEY)["output"].to_list() == a_rows.sort(KEY)["output"].to_list()
+    assert back["cached"].all() and not any(r.task.name == "describe" for r in engine.requests)
+    assert stats.cache_hits == back.height
+
+
+def test_an_answer_that_now_fails_takes_its_typed_row_away(archive):
+    docs, job, out = archive
+    night(job)
+    assert tables(out)["flags"].height == 7
+    oddfiles.pdf(docs / "c.pdf", pages=1, text="file c, second edition")  # changed
+    night(job, lambda r: ("not json", "stop") if r.task.name == "flags" else ("text", "stop"))
+    now = tables(out)
+    assert_consistent(now)
+    c = now["results"].filter(pl.col("source").str.ends_with("c.pdf"), pl.col("task") == "flags")
+    assert c["status"].to_list() == ["error"]
+    assert now["flags"].height == 6 and not now["flags"]["source"].str.ends_with("c.pdf").any()
+
+
+def test_readers_see_one_version_or_the_next_during_commits_and_compaction(archive):
+    """A reader in a loop while a night commits flush after flush, and while compaction
+    rewrites the files: every read is one whole version (its row count one of theirs)."""
+    docs, job, out = archive
+    for i in range(12):
+        oddfiles.pdf(docs / f"more-{i:02d}.pdf", pages=1, text=f"more {i}")
+    fields = job_fields("fake-model", ["docs/*", "docs/sub/*"], part_rows=2)
+    job = job.parent / "small-flushes.yaml"
+    job.write_text(json.dumps(fields))
+    night(job)  # the table exists
+    seen, stop, failures = [], threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                table = DeltaTable(str(out / "results"))
+                frame = pl.from_arrow(table.to_pyarrow_table())
+                seen.append((table.version(), frame.height, frame.select(KEY).is_duplicated().any()))
+            except Exception as e:  # noqa: BLE001 - a failed read is the finding
+                failures.append(repr(e))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(12):  # changed files: each night's flushes replace rows
+            oddfiles.pdf(docs / f"more-{i:02d}.pdf", pages=1, text=f"more {i}, edited")
+        night(job)
+        result = run_cli("compact", str(out), "--retain-days", "0")
+        assert result.returncode == 0, result.stderr[-2000:]
+    finally:
+        stop.set()
+        reader.join()
+    assert not failures, failures[:3]
+    heights = {}
+    for version in {v for v, _, _ in seen}:
+        heights[version] = pl.read_delta(str(out / "results"), version=version).height \
+            if version >= DeltaTable(str(out / "results")).version() - 1 else None
+    assert len(seen) > 5 and not any(dup for _, _, dup in seen)
+    for version, height, _ in seen:  # each read: the row count of the version it read
+        if heights.get(version) is not None:
+            assert height == heights[version], (version, height)
+    assert {h for _, h, _ in seen} <= set(range(0, 100))
+    final = tables(out)
+    assert_consistent(final)
+    assert final["results"].height == (7 + 12) * 2  # the flags task is not in this job
+
+
+@pytest.mark.parametrize("damage", ["data file deleted", "log truncated"])
+def test_a_damaged_table_is_exit_3_naming_it_and_nothing_is_written(archive, damage):
+    docs, job, out = archive
+    night(job)
+    results = out / "results"
+    if damage == "data file deleted":
+        next(results.glob("*.parquet")).unlink()
+    else:
+        log = sorted((results / "_delta_log").glob("*.json"))[-1]
+        log.write_text(log.read_text()[:40])
+    before = sorted((p.name, p.stat().st_size) for p in results.rglob("*"))
+    manifests = list((out / "_runs").glob("*.json"))
+    result = run_cli("run", str(job))
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert str(results) in result.stderr and "Traceback" not in result.stderr
+    assert sorted((p.name, p.stat().st_size) for p in results.rglob("*")) == before
+    assert list((out / "_runs").glob("*.json")) == manifests
+    assert run_cli("inspect", str(out)).returncode == 3
+
+
+def test_a_folder_of_the_earlier_parts_layout_is_migrated_every_row_kept(tmp_path, write_job):
+    """tests/data/legacy-output was written by the parts layout (two runs: the second with
+    another prompt for one task; a schema task): converted once, history first."""
+    out = tmp_path / "out"
+    shutil.copytree(ROOT / "tests" / "data" / "legacy-output", out)
+    old = pl.read_parquet(out / "results" / "part-*.parquet")
+    newest = old.sort("finished_at").group_by(KEY).last()
+    result = run_cli("migrate", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not list((out / "results").glob("part-2026*.parquet"))
+    current = pl.read_delta(str(out / "results"))
+    assert current.select(sorted(old.columns)).sort(KEY).equals(
+        newest.select(sorted(old.columns)).sort(KEY).with_columns(
+            pl.col("finished_at").cast(pl.Datetime("us", "UTC"))))
+    # every row ever written is in the history: one version a run
+    table = DeltaTable(str(out / "results"))
+    assert table.version() == 1
+    v0 = pl.read_delta(str(out / "results"), version=0)
+    assert v0.height + (current.height - v0.join(current, on=["run_id", *KEY]).height) \
+        == old.height
+    flags = pl.read_delta(str(out / "fields" / "flags"))
+    assert flags.height == 3 and flags["paid"].all()
+    report = json.loads(run_cli("inspect", str(out), "--json").stdout)
+    assert [v["action"] for v in report["versions"]] == ["migrate", "migrate"]
+    assert report["current"]["rows"] == current.height == 6
+    assert run_cli("migrate", str(out)).stdout.startswith(str(out))  # nothing left to do
+
+    # a run into it: its inputs are elsewhere now, so the migrated rows are retired
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "new.pdf", pages=1)
+    job = write_job(job_fields("fake-model", ["docs/*"]))
+    night(job)
+    assert set(pl.read_delta(str(out / "results"))["source"]) == {str(docs / "new.pdf")}
+
+
+def test_a_run_migrates_by_itself_and_resumes_from_the_migrated_rows(tmp_path, write_job):
+    out = tmp_path / "out"
+    shutil.copytree(ROOT / "tests" / "data" / "legacy-output", out)
+    (out / ".results.migrating").mkdir()  # what a killed migration left: removed
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "x.pdf", pages=1)
+    night(write_job(job_fields("fake-model", ["docs/*"])))
+    assert DeltaTable(str(out / "results")).history()[-1]["vlbatch.action"] == "migrate"
+    assert not (out / ".results.migrating").exists()
