@@ -273,3 +273,61 @@ def test_a_run_migrates_by_itself_and_resumes_from_the_migrated_rows(tmp_path, w
     night(write_job(job_fields("fake-model", ["docs/*"])))
     assert DeltaTable(str(out / "results")).history()[-1]["vlbatch.action"] == "migrate"
     assert not (out / ".results.migrating").exists()
+
+
+WRITER = """
+import sys
+from datetime import datetime, timezone
+from vlbatch.output.schemas import RESULT_KEY, RESULT_SCHEMA
+from vlbatch.output.table import TableWriter
+
+writer = TableWriter(sys.argv[1], "big-flush", RESULT_SCHEMA, RESULT_KEY, max_rows=10**9,
+                     known=lambda row: False)
+now = datetime.now(timezone.utc)
+for i in range(int(sys.argv[2])):
+    writer.add(dict(source=f"/big/{i}.pdf", page=1, task="describe", output="x" * 300,
+                    status="ok", run_id="big-flush", finished_at=now))
+print("flushing", flush=True)
+writer.flush()
+"""
+
+
+def test_sigkill_between_a_flushs_data_files_and_its_commit_leaves_the_last_version(
+        archive, tmp_path):
+    """A real SIGKILL of a process in the middle of a large flush, once its data files are
+    on disk and before its commit: readers and the next run see the last version, whole,
+    and compaction vacuums what the dead flush left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    docs, job, out = archive
+    night(job)
+    results = out / "results"
+    before = pl.read_delta(str(results))
+    version = DeltaTable(str(results)).version()
+    files = set(results.glob("*.parquet"))
+    log_entries = set((results / "_delta_log").glob("*.json"))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(results), "1500000"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline().strip() == "flushing"
+    deadline = time.monotonic() + 120
+    while not (set(results.iterdir()) - files - {results / "_delta_log"}):
+        assert proc.poll() is None, "the flush ended before it wrote a data file"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert set((results / "_delta_log").glob("*.json")) == log_entries, "it committed first"
+    assert set(results.iterdir()) - files - {results / "_delta_log"}  # the dead flush's files
+    assert DeltaTable(str(results)).version() == version
+    assert pl.read_delta(str(results)).sort(KEY).equals(before.sort(KEY))
+
+    stats, _ = night(job)  # the next run: nothing to do, nothing lost
+    assert stats.pages_todo == 0
+    assert pl.read_delta(str(results)).sort(KEY).equals(before.sort(KEY))
+    result = run_cli("compact", str(out), "--retain-days", "0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert {p.name for p in results.iterdir() if p.name != "_delta_log"} == \
+        {Path(u).name for u in DeltaTable(str(results)).file_uris()}

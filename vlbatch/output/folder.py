@@ -83,9 +83,13 @@ class OutputFolder:
             os.close(fd)  # closing releases the flock
 
     def remove_stale_temporaries(self) -> int:
-        """Half-written manifests of a run that died mid-write, and what a killed migration
-        left beside the live folders (only with the lock held: no live run writes them)."""
+        """Half-written manifests of a run that died mid-write, data files a flush killed
+        mid-write left under their staging name (delta-rs writes `<file>#<n>` and renames it
+        into place; vacuum does not know them), and what a killed migration left beside the
+        live folders (only with the lock held: no live run writes them)."""
         stale = [*self.runs.glob(".*.tmp")]
+        for table in self.tables():
+            stale += [p for p in table.glob("*.parquet#*") if p.is_file()]
         for path in stale:
             path.unlink(missing_ok=True)
         staging = [p for p in [*self.root.glob(".*.migrating"), *self.fields.glob(".*.migrating")]
