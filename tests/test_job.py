@@ -159,3 +159,18 @@ def test_the_printed_json_schema_accepts_the_shipped_jobs_and_refuses_a_typo():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(job, schema)
     assert "base_dir" not in schema["properties"]
+
+
+def test_every_job_field_is_described_in_the_printed_schema():
+    """Every field of every section (the job, tasks, render, engine, dedupe, ray) says what
+    it does in `vlbatch schema`, which editors show as the field's help."""
+    from conftest import run_cli
+
+    schema = json.loads(run_cli("schema").stdout)
+    sections = {"job": schema["properties"],
+                **{name: d.get("properties", {}) for name, d in schema["$defs"].items()}}
+    assert {"Task", "Render", "EngineSettings", "Dedupe", "RaySettings"} <= set(sections)
+    bare = [f"{section}.{field}" for section, fields in sections.items()
+            for field, spec in fields.items() if len(spec.get("description", "").strip()) < 10]
+    assert not bare, f"fields without a description: {bare}"
+    assert sum(len(fields) for fields in sections.values()) > 60

@@ -35,12 +35,18 @@ class _Strict(BaseModel):
 class Task(_Strict):
     """One question asked of every page, with its own sampling settings."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(default=1024, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="The task's "
+                      "name: the results' `task` column and OUTPUT/fields/<name>/.")
+    prompt: str = Field(min_length=1, description="What is asked of each page; {text_layer}, "
+                        "{source} and {page} are filled in, any other brace is literal.")
+    max_tokens: int = Field(default=1024, ge=1, description="Most tokens an answer may have; "
+                            "one that reaches it has finish_reason 'length'.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0: "
+                               "greedy (the same page gives the same answer).")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling: the "
+                         "smallest set of tokens whose probabilities sum to top_p.")
+    seed: int | None = Field(default=None, description="The sampling seed of this task's "
+                             "requests; None: the engine's (engine.seed).")
     ignore_eos: bool = Field(default=False, description="Generate max_tokens whatever the "
                              "model says (benchmarks force a fixed output length with it).")
     json_schema: str | None = Field(default=None, alias="schema", description="The fields "
@@ -156,7 +162,8 @@ class Render(_Strict):
     file_timeout_s: float = Field(default=900.0, gt=0, description="Render seconds a file may "
                                   "use in all, counted in plan order; its later pages get "
                                   "error rows 'timeout'.")
-    pdf_password: str | None = None
+    pdf_password: str | None = Field(default=None, description="Tried on encrypted PDFs; "
+                                     "one that it does not open gets an error row.")
     max_image_megapixels: float = Field(default=DEFAULT_MAX_IMAGE_MEGAPIXELS, gt=0, description=
                                         "Image files larger than this are refused (a "
                                         "decompression bomb guard); large-format scans run to "
@@ -205,19 +212,29 @@ class Dedupe(_Strict):
 class EngineSettings(_Strict):
     """The job's `engine:` section: vLLM engine settings (None: vLLM's own default)."""
 
-    max_model_len: int | None = Field(default=None, ge=64)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=64)
-    dtype: str = "auto"
+    max_model_len: int | None = Field(default=None, ge=64, description="Longest request "
+                                      "(prompt + answer tokens); longer ones are refused "
+                                      "('request rejected'); None: the model's own.")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0, description="Share of "
+                                          "GPU memory vLLM may take (weights, KV cache).")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Requests vLLM runs in "
+                                     "one step at most; None: vLLM's default.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=64, description="Tokens one "
+                                               "engine step may hold; None: vLLM's default.")
+    dtype: str = Field(default="auto", description="Weights and activations: auto (the model's "
+                       "config), bfloat16, float16, float32.")
     quantization: str | None = Field(default=None, description="vLLM's quantization method, "
                                      "e.g. 'fp8' (online); None: what the model's config says.")
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one engine spreads "
+                                      "the model over.")
     load_format: str = Field(default="auto", description="'dummy': the real architecture with "
                              "random weights (benchmarks).")
-    enforce_eager: bool = False
-    enable_prefix_caching: bool | None = None
-    seed: int = 0
+    enforce_eager: bool = Field(default=False, description="No CUDA graphs or torch.compile: "
+                                "a faster start, slower steps.")
+    enable_prefix_caching: bool | None = Field(default=None, description="vLLM's prefix cache "
+                                               "(a page's tasks share their image's prefix); "
+                                               "None: vLLM's default.")
+    seed: int = Field(default=0, description="The engine's sampling seed.")
     max_in_flight: int = Field(default=512, ge=1, description="Requests handed to vLLM at once: "
                                "enough to fill its KV cache, bounded so host memory stays flat.")
     cpu_kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache of the CPU build.")
@@ -228,7 +245,8 @@ class EngineSettings(_Strict):
                                        "docs/benchmarks.md).")
     compile_cache_dir: Path | None = Field(default=None, description="vLLM's cache root "
                                            "(compiled graphs); None: ~/.cache/vllm.")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(default=False, description="Run the model folder's own "
+                                    "Python code (models not built into transformers).")
     warmup_pages: int | None = Field(default=None, ge=0, description="Random-pixel page "
                                      "requests generated (a few tokens each) as part of engine "
                                      "start, so the GPU's first-step kernel compiles happen "
@@ -263,22 +281,29 @@ class RaySettings(_Strict):
 
 
 class Job(_Strict):
-    name: str = Field(min_length=1)
-    inputs: list[str] = Field(min_length=1)
-    output: Path
-    cache: Path = Path(".vlbatch-cache")
-    model: str = Field(min_length=1)
-    tasks: list[Task] = Field(min_length=1)
-    render: Render = Render()
-    engine: EngineSettings = EngineSettings()
-    dedupe: Dedupe = Dedupe()
-    max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    name: str = Field(min_length=1, description="The job's name (manifests, logs, metrics).")
+    inputs: list[str] = Field(min_length=1, description="Globs of PDFs and images, relative to "
+                              "the job file ('**' matches folders at any depth).")
+    output: Path = Field(description="The output folder (its tables, manifests and lock), "
+                         "relative to the job file.")
+    cache: Path = Field(default=Path(".vlbatch-cache"), description="The cache folder "
+                        "(answers, rendered pages, the dedupe index), relative to the job file.")
+    model: str = Field(min_length=1, description="A model folder (relative to the job file) or "
+                       "a Hugging Face model id.")
+    tasks: list[Task] = Field(min_length=1, description="The questions asked of every page.")
+    render: Render = Field(default=Render(), description="How pages become images.")
+    engine: EngineSettings = Field(default=EngineSettings(), description="vLLM's settings.")
+    dedupe: Dedupe = Field(default=Dedupe(), description="When two pages count as one.")
+    max_error_rate: float = Field(default=1.0, ge=0.0, le=1.0, description="Share of pages "
+                                  "that may fail before the run exits 4 (1.0: never).")
     max_attempts: int = Field(default=3, ge=1, description="Tries a row with a transient error "
                               "(engine died, timeout, worker died) gets, over the runs that "
                               "retry it by themselves; --retry-errors goes on past it.")
-    part_rows: int = Field(default=1000, ge=1, description="A results part is written every "
-                           "part_rows rows or part_seconds: the point a killed run resumes from.")
-    part_seconds: float = Field(default=30.0, gt=0)
+    part_rows: int = Field(default=1000, ge=1, description="Finished rows are committed to the "
+                           "output tables every part_rows rows or part_seconds: the point a "
+                           "killed run resumes from.")
+    part_seconds: float = Field(default=30.0, gt=0, description="Seconds between commits "
+                                "of finished rows at most (see part_rows).")
     result_cache: bool = Field(default=True, description="Answers outlive the run in the cache.")
     feature_cache: bool = Field(default=True, description="Rendered pages outlive the run too: "
                                 "a later run skips rendering.")
@@ -300,7 +325,8 @@ class Job(_Strict):
                                             "cost per million pages.")
     executor: Literal["local", "ray"] = Field(default="local", description="ray: render and "
                                               "generate on a Ray cluster.")
-    ray: RaySettings = RaySettings()
+    ray: RaySettings = Field(default=RaySettings(), description="Where and how executor: ray "
+                             "runs.")
     base_dir: Path = Field(default=Path("."), exclude=True)  # the job file's folder
 
     @field_validator("tasks")
