@@ -85,6 +85,13 @@ def test_demo_job_end_to_end(demo_model, tmp_path):
     assert report["text_layer"].str.contains("sample report").all()
     manifest = json.loads(next((out / "_runs").glob("*.json")).read_text())
     assert manifest["summary"]["rows_ok"] == ok.height and manifest["versions"]["vllm"]
+    # vLLM's CPU build held no GPU: no GPU figures, said so (summary, manifest, report)
+    s = manifest["summary"]
+    assert s["engine_device"] == "cpu" and (s["gpus"], s["gpu_hours"]) == (0, 0.0)
+    assert "GPU-hour" not in result.stdout and "GPUs held" not in result.stdout
+    assert "no GPU held" in result.stdout
+    html = next((out / "_runs").glob("*.html")).read_text()
+    assert "GPU-hours" not in html and "CPU, no GPU" in html
     metrics = prometheus_samples(tmp_path / "demo.prom")
     assert metrics[("vlbatch_last_run_success", ())] == 1
     assert metrics[("vlbatch_last_run_rows", (("job", "demo"), ("status", "ok")))] == ok.height

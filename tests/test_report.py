@@ -100,13 +100,12 @@ def test_plan_of_a_job_with_a_missing_model_exits_3_and_makes_no_output(write_jo
 def test_cost_in_the_summary_and_the_manifest(night):
     manifest, _ = _report(night["out"])
     s = manifest["summary"]
-    assert s["gpus"] == 1 and s["cost_per_gpu_hour"] == 2.5
-    assert s["gpu_hours"] == pytest.approx(s["seconds"] / 3600, abs=1e-4)
-    assert s["cost"] == pytest.approx(s["gpu_hours"] * 2.5, rel=0.01, abs=1e-5)
-    assert s["cost_per_million_pages"] == pytest.approx(
-        s["cost"] / s["pages_finished"] * 1e6, rel=0.01)
-    assert "cost per million pages" in night["run"].stdout
-    assert "GPU-hours" in night["run"].stdout
+    # vLLM's CPU build: the run held no GPU, so no GPU-hours and nothing at the GPU rate
+    # (a GPU engine's figures: test_cost_of_a_run_on_a_gpu_engine_and_of_one_from_the_cache)
+    assert s["engine_device"] == "cpu" and s["cost_per_gpu_hour"] == 2.5
+    assert (s["gpus"], s["gpu_hours"], s["pages_per_gpu_hour"], s["cost"]) == (0, 0.0, None, 0.0)
+    assert "no GPU held" in night["run"].stdout
+    assert "GPU-hours" not in night["run"].stdout and "cost per million" not in night["run"].stdout
 
 
 def test_the_report_is_written_at_the_end_of_the_run(night):
@@ -122,7 +121,7 @@ def test_the_report_is_written_at_the_end_of_the_run(night):
     assert "broken.pdf" in gallery and "Transcribe" not in gallery
     assert "<table class=fields>" in gallery and "paid" in gallery  # answers as tables
     assert "Typed fields" in html and "OUTPUT/fields/flags/" in html
-    assert "cost per million pages" in html
+    assert "CPU, no GPU" in html and "cost per million pages" not in html  # no GPU held
     timeline = manifest["timeline"]
     assert timeline["columns"][:3] == ["t_s", "pages", "requests"]
     assert timeline["rows"][-1][1] == manifest["summary"]["pages_finished"]
@@ -285,3 +284,27 @@ def test_no_report_when_turned_off_and_a_report_failure_is_not_a_failed_run(
     runs = tmp_path / "failing" / "_runs"
     assert len(list(runs.glob("*.json"))) == 1 and not list(runs.glob("*.html"))
     assert not list(runs.glob(".*.tmp"))
+
+
+def test_cost_of_a_run_on_a_gpu_engine_and_of_one_from_the_cache(samples, write_job, tmp_path):
+    """An engine on a GPU: GPUs held, GPU-hours over the run's wall time, the cost at the
+    job's rate, in the summary table and the report."""
+    from fakes import FakeEngine, fake_prompts
+
+    from vlbatch.cost import cost_rows
+    from vlbatch.job import load_job
+    from vlbatch.run import run_job
+
+    class GpuEngine(FakeEngine):
+        device = "gpu"
+
+    job = load_job(write_job(job_fields("fake-model", [f"{samples}/*"], cost_per_gpu_hour=2.5)))
+    s = run_job(job, engine_factory=lambda job, prompts: GpuEngine(), prompts_factory=fake_prompts)
+    assert s.engine_device == "gpu" and s.gpus == 1
+    assert s.gpu_hours == pytest.approx(s.seconds / 3600, abs=1e-6)
+    assert s.cost == pytest.approx(s.gpu_hours * 2.5, rel=0.01, abs=1e-7)
+    assert s.cost_per_million_pages == pytest.approx(s.cost / s.pages_finished * 1e6, rel=0.01)
+    shown = dict(cost_rows(s))
+    assert shown["GPUs held"] == "1" and "cost per million pages" in shown
+    [html] = (tmp_path / "out" / "_runs").glob("*.html")
+    assert "GPU-hours" in html.read_text() and "cost per million pages" in html.read_text()

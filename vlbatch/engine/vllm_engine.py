@@ -100,6 +100,7 @@ class VllmEngine:
         self.version = __import__("vllm").__version__
         self.warm_up_seconds = self.warm_up_input_processing()
         gpu = not current_platform.is_cpu()
+        self.device = "gpu" if gpu else "cpu"  # what the run held (cost.py)
         pages = job.engine.warmup_pages
         self.warm_up_seconds += self.warm_up_generation(
             (GPU_WARMUP_PAGES if gpu else 0) if pages is None else pages)

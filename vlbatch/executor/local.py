@@ -203,6 +203,7 @@ class LocalExecutor:
             raise
         sink.stats.engine_start_s = round(time.monotonic() - started, 1)
         sink.engine_version = getattr(generation_engine, "version", None)
+        sink.stats.engine_device = getattr(generation_engine, "device", None)
         loop = EngineLoop(generation_engine, max_waiting=64,
                           restart=lambda: ctx.engine_factory(ctx.job, ctx.prompts),
                           on_down=lambda reason: events.put(("engine_down", reason)),

@@ -85,6 +85,7 @@ class RayExecutor:
             return
         if row.get("engine_start_s") is not None:  # the slowest actor's start
             sink.engine_version = row.get("engine_version")
+            sink.stats.engine_device = row.get("engine_device")
             sink.stats.engine_start_s = max(sink.stats.engine_start_s or 0, row["engine_start_s"])
         routed = routed_of(row["routes"], ctx.job)
         sink.page_routed(unit, outcome_of({**row, "rgb": None}), routed)

@@ -36,7 +36,8 @@ PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "thumb": pa.binary(), "compare_png": pa.binary(), "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
 }
 ROUTED_COLUMNS = {"routes": pa.string()}
-ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64()}
+ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64(),
+                  "engine_device": pa.string()}
 
 
 def job_to_dict(job: Job) -> dict:
@@ -178,6 +179,7 @@ class GeneratePages:
         self.engine = engine_factory(self.job, None)
         self.start_s = round(time.monotonic() - started, 1)
         self.version = getattr(self.engine, "version", None)
+        self.device = getattr(self.engine, "device", None)
         from vlbatch.pipeline.answers import review
 
         self.loop = EngineLoop(self.engine, review=review)
@@ -205,5 +207,6 @@ class GeneratePages:
         for row in rows:
             if isinstance(row["routes"], dict):
                 row["routes"] = json.dumps(row["routes"])
-            row.update(rgb=None, engine_version=self.version, engine_start_s=self.start_s)
+            row.update(rgb=None, engine_version=self.version, engine_start_s=self.start_s,
+                       engine_device=self.device)
         return _table(rows, ROUTED_COLUMNS, ENGINE_COLUMNS)

@@ -66,6 +66,7 @@ class RunStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     engine_start_s: float | None = None
+    engine_device: str | None = None  # what the engine ran on: 'gpu', 'cpu' (vLLM's CPU build)
     generation_s: float | None = None  # from engine ready to the last answer
     seconds: float = 0.0
     pages_per_s: float = 0.0

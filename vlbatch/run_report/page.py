@@ -62,9 +62,12 @@ def _tiles(s: dict) -> str:
              ("rows error", s.get("rows_error")),
              ("of them transient", s.get("rows_transient")),
              ("pages/s", s.get("pages_per_s")), ("pages/s while generating", gen_rate),
-             ("output tokens", s.get("output_tokens")), ("seconds", s.get("seconds")),
-             ("GPU-hours", s.get("gpu_hours")), ("pages per GPU-hour", s.get("pages_per_gpu_hour"))]
-    if s.get("cost_per_gpu_hour") is not None:
+             ("output tokens", s.get("output_tokens")), ("seconds", s.get("seconds"))]
+    if s.get("engine_device") == "cpu":  # vLLM's CPU build: no GPU figures to give
+        tiles.append(("engine ran on", "CPU, no GPU"))
+    else:
+        tiles += [("GPU-hours", s.get("gpu_hours")), ("pages per GPU-hour", s.get("pages_per_gpu_hour"))]
+    if s.get("cost_per_gpu_hour") is not None and s.get("engine_device") != "cpu":
         tiles += [("cost", s.get("cost")), ("cost per million pages", s.get("cost_per_million_pages"))]
     return "<div class=tiles>" + "".join(
         f"<div class=tile>{escape(name)}<b>{escape(_fmt(v))}</b></div>" for name, v in tiles) + "</div>"
