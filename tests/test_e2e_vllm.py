@@ -111,7 +111,8 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     oddfiles.random_bytes(docs / "b-broken.pdf")
     oddfiles.cmyk_jpeg(docs / "c.jpg")
     fields = job_fields(tiny_model, ["docs/*"])
-    fields["tasks"].append({"name": "too-long", "prompt": "word " * 3000})  # over max_model_len
+    fields["tasks"].append({"name": "too-long", "prompt": "word " * 3000,  # over max_model_len
+                            "max_tokens": 4})
     job = write_job(fields)
     result = run_cli("run", str(job), "--limit", "4")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -122,7 +123,23 @@ def test_bad_inputs_limit_and_exit_codes(tiny_model, write_job, tmp_path):
     assert df.filter(pl.col("status") == "ok").height == 6
     rejected = df.filter(pl.col("task") == "too-long")
     assert rejected.height == 4 and (rejected["status"] == "error").all()
-    assert rejected.filter(pl.col("page").is_not_null())["error"].str.starts_with("request rejected").all()
+    assert rejected.filter(pl.col("page").is_not_null())["error"].str.starts_with(
+        "request rejected (engine.max_model_len 2048): ").all()
+
+    # the same limit: the refused rows stay done; a raised limit: they are tried again
+    assert run_cli("run", str(job), "--limit", "4").returncode == 0
+    assert pl.read_delta(str(tmp_path / "out" / "results")).sort("source", "page", "task").equals(
+        df.sort("source", "page", "task"))
+    fields["engine"]["max_model_len"] = 16384
+    raised = run_cli("run", str(write_job(fields)), "--limit", "4")
+    assert raised.returncode == 0, raised.stderr[-3000:]
+    after = pl.read_delta(str(tmp_path / "out" / "results"))
+    tried = after.filter(pl.col("task") == "too-long", pl.col("page").is_not_null())
+    assert tried.height == 3 and (tried["attempt"] == 2).all()
+    assert not tried["error"].fill_null("").str.starts_with("request rejected").any()
+    others = after.filter(pl.col("task") != "too-long")
+    assert others.sort("source", "page", "task").equals(
+        df.filter(pl.col("task") != "too-long").sort("source", "page", "task"))
 
     with OutputFolder(tmp_path / "out").lock():  # another run holds the output
         locked = run_cli("run", str(job))

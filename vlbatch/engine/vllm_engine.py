@@ -19,6 +19,7 @@ from vlbatch.engine.prompts import PromptBuilder
 from vlbatch.engine.vllm_frontend import InputFront
 from vlbatch import library_chatter
 from vlbatch.errors import JobCannotRunError
+from vlbatch.pipeline.failures import rejection_prefix
 from vlbatch.job import Job, Task
 
 log = logging.getLogger("vlbatch")
@@ -263,8 +264,10 @@ class VllmEngine:
                                processed if processed is not None else self.vllm_prompt(request),
                                params)
         except Exception as e:
-            if is_bad_request(e):  # e.g. a prompt over max_model_len: the same tomorrow
-                return Completion(request.request_id, None, f"request rejected: {e}",
+            if is_bad_request(e):  # e.g. a prompt over max_model_len: the same tomorrow,
+                # unless the limit changes (failures.refused_under: such rows are tried again)
+                return Completion(request.request_id, None,
+                                  f"{rejection_prefix(self.job.engine.max_model_len)}{e}",
                                   rejected=True)
             # not the request's fault: the next run tries it again (failures.py)
             return Completion(request.request_id, None, f"request refused by the engine: "

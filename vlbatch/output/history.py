@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from vlbatch.pipeline.failures import refused_under
+
 DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
 BATCH = 20_000  # rows turned into Python objects at a time
 DIGEST = "S16"
@@ -67,6 +69,7 @@ class History:
     answered: DigestTable = field(default_factory=DigestTable)  # (source, page, task, file hash) with a row
     keys: DigestTable = field(default_factory=DigestTable)  # (source, page, task) with a current row
     pages: DigestTable = field(default_factory=DigestTable)  # (source, page) with a current row
+    refused: DigestTable = field(default_factory=DigestTable)  # rejected keys: the max_model_len
 
     @classmethod
     def of(cls, done: Iterable[DoneKey] = ()) -> History:
@@ -82,6 +85,12 @@ class History:
     def was_answered(self, key: DoneKey) -> bool:
         """Whether the key's page and task has a row under any settings."""
         return key_digest(key[:4]) in self.answered
+
+    def refused_under(self, key: DoneKey) -> int | None:
+        """The engine.max_model_len (0: the model's default) a key's current row was refused
+        under, if the engine refused it (failures.refused_under); else None."""
+        limit = self.refused.get(key_digest(key), -1)
+        return None if limit < 0 else limit
 
     def has_row(self, source: str, page: int | None, task: str | None = None) -> bool:
         """Whether the results table (task given) or the pages table holds a row of the key."""
@@ -113,7 +122,7 @@ class _Columns:
 
 
 COLUMNS = ["source", "page", "task", "source_sha256", "task_hash", "status", "error_kind",
-           "attempt", "finished_at"]
+           "attempt", "finished_at", "error"]
 
 
 def scan(batches: Iterable[pa.RecordBatch], retry_errors: bool = False,
@@ -125,7 +134,7 @@ def scan(batches: Iterable[pa.RecordBatch], retry_errors: bool = False,
     `finished_at`; a row without one is newer than every row before it."""
     rows = _Columns()
     latest = np.iinfo(np.int64).min
-    keys3, pages = [], []
+    keys3, pages, refused, limits = [], [], [], []
     for whole in batches:
         for batch in pa.Table.from_batches([whole]).to_batches(max_chunksize=BATCH):
             columns = {name: batch.column(name) for name in COLUMNS if name in batch.schema.names}
@@ -136,8 +145,12 @@ def scan(batches: Iterable[pa.RecordBatch], retry_errors: bool = False,
             values = [columns[name].to_pylist() if name in columns else [None] * n
                       for name in COLUMNS]
             keys, answered, state, attempts, times = [], [], [], [], []
-            for s, p, t, h, th, status, kind, attempt, at in zip(*values):
+            for s, p, t, h, th, status, kind, attempt, at, error in zip(*values):
                 keys.append(key_digest((s, p, t, h, th)))
+                limit = refused_under(error) if status == "error" else None
+                if limit is not None:
+                    refused.append(keys[-1])
+                    limits.append(limit)
                 answered.append(key_digest((s, p, t, h)))
                 keys3.append(key_digest((s, p, t)))
                 pages.append(key_digest((s, p)))
@@ -163,4 +176,17 @@ def scan(batches: Iterable[pa.RecordBatch], retry_errors: bool = False,
     else:
         done = ~failed | (state == _PERMANENT) | (attempts >= max_attempts)
     return History(DigestTable(keys[done]), DigestTable(keys[failed], attempts[failed]),
-                   DigestTable(np.unique(answered)), DigestTable.of(keys3), DigestTable.of(pages))
+                   DigestTable(np.unique(answered)), DigestTable.of(keys3), DigestTable.of(pages),
+                   _valued(refused, limits))
+
+
+def _valued(digests: list[bytes], values: list[int]) -> DigestTable:
+    """A DigestTable of unique digests with a value each (the last given for a digest)."""
+    if not digests:
+        return DigestTable()
+    keys = np.array(digests, DIGEST)
+    order = np.argsort(keys, kind="stable")
+    keys, vals = keys[order], np.array(values, np.int64)[order]
+    last = np.ones(len(keys), bool)
+    last[:-1] = keys[1:] != keys[:-1]
+    return DigestTable(keys[last], vals[last])

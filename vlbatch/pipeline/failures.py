@@ -34,6 +34,25 @@ TRANSIENT_REASONS = (
 )
 
 
+REJECTED = "request rejected"
+
+
+def rejection_prefix(max_model_len: int | None) -> str:
+    """How a request the engine refused starts its error: with the limit it was refused
+    under, so that raising (or changing) engine.max_model_len tries it again."""
+    return f"{REJECTED} (engine.max_model_len {max_model_len or 'default'}): "
+
+
+def refused_under(error: str | None) -> int | None:
+    """The max_model_len a rejected row was refused under: the number, 0 for the model's
+    default; None for any other row (and rejections written before the limit was named)."""
+    prefix = f"{REJECTED} (engine.max_model_len "
+    if not error or not error.startswith(prefix):
+        return None
+    limit = error[len(prefix):].split(")", 1)[0]
+    return 0 if limit == "default" else int(limit) if limit.isdigit() else None
+
+
 def error_kind(error: str | None) -> ErrorKind | None:
     if error is None:
         return None

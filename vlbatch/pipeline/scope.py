@@ -59,8 +59,20 @@ def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[i
     return probes
 
 
-def is_done_in(history: History, hashes: dict[str, str]) -> Callable[[PageUnit, Task], bool]:
-    return lambda unit, task: history.is_done(done_key(unit, task, hashes[task.name]))
+def is_done_in(history: History, hashes: dict[str, str],
+               max_model_len: int | None = None) -> Callable[[PageUnit, Task], bool]:
+    """A row is done when history says so, but for a request the engine refused under
+    another engine.max_model_len than the job's now: its permanence depended on it."""
+    limit = max_model_len or 0
+
+    def done(unit: PageUnit, task: Task) -> bool:
+        key = done_key(unit, task, hashes[task.name])
+        if not history.is_done(key):
+            return False
+        refused = history.refused_under(key)
+        return refused is None or refused == limit
+
+    return done
 
 
 def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
@@ -71,7 +83,7 @@ def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
     units = page_units(sources, probes)
     in_scope = units if limit is None else units[:limit]
     hashes = task_hashes(job)
-    todo = select_todo(in_scope, job.tasks, is_done_in(history, hashes))
+    todo = select_todo(in_scope, job.tasks, is_done_in(history, hashes, job.engine.max_model_len))
     stale = sum(history.was_answered(key) and not history.attempt(key)
                 for key in (done_key(u, t, hashes[t.name]) for u in todo for t in u.tasks))
     return Plan(sources, len(in_scope), tuple(todo), stale,
