@@ -52,6 +52,7 @@ class EngineLoop:
         self.in_engine: dict[str, None] = {}  # of those, the ones the engine took, in order
         self.lock = threading.Lock()
         self.failed: str | None = None
+        self.closing = False  # close() was called: an engine that fails now is being shut
         self.thread = threading.Thread(target=self._run, name="vlbatch-engine", daemon=True)
         self.thread.start()
 
@@ -75,7 +76,10 @@ class EngineLoop:
                     return future
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Let the engine finish what it holds, then end the thread."""
+        """Let the engine finish what it holds (for up to timeout_s), then end the thread.
+        From here on an engine that fails is being shut down, not dead: none is started in
+        its place (the caller may close the engine itself after a short timeout)."""
+        self.closing = True
         if self.thread.is_alive():
             self.inbox.put(_CLOSE)
             self.thread.join(timeout_s)
@@ -115,7 +119,11 @@ class EngineLoop:
                         waiting[0].set_result(done)
                 self._end_retries()
                 return
-            except Exception as e:  # the engine died
+            except Exception as e:  # the engine died, or was closed at shutdown
+                if self.closing:
+                    log.debug("the engine stopped as it was closed: %s", e)
+                    self._shut(f"engine closed at shutdown: {e}")
+                    return
                 reason = f"engine failed: {e}"
                 if self.restart is None or self.restarts:
                     break
@@ -144,6 +152,14 @@ class EngineLoop:
             except queue.Empty:
                 continue
             self._fail_waiting()
+
+    def _shut(self, reason: str) -> None:
+        """Closed with requests in it: they fail (the executor keeps no rows for them, the
+        next run does them); no engine is started, nobody is told the engine is down."""
+        with self.lock:
+            self.failed = reason
+        self._end_retries()
+        self._fail_waiting()
 
     def _reviewed(self, done: Completion) -> Completion | None:
         """The completion to resolve its request with; None when it went back to the engine."""

@@ -31,6 +31,7 @@ TRANSIENT_REASONS = (
     "request refused by the engine",  # not a bad request: resources (vllm_engine.py)
     "the answer of the page this copies was lost",
     "engine closed before a retry",
+    "engine closed at shutdown",  # SIGTERM with requests in it (engine/loop.py)
 )
 
 
