@@ -169,17 +169,37 @@ def test_a_vllm_actor_works_on_several_blocks_at_once(local_ray, samples, write_
     assert generated.filter(pl.col("output") == "pages together: 2").height >= 10, together
 
 
-def test_engine_failing_mid_run_gives_error_rows_and_the_run_goes_on(local_ray, samples,
-                                                                     write_job, tmp_path):
+def test_an_engine_that_dies_is_started_again_once_and_then_the_run_stops_with_exit_5(
+        local_ray, samples, write_job, tmp_path):
+    """As locally: the vLLM actor starts its engine again once (it gets what the dead one
+    held); when the new one dies too, the run stops (EngineStayedDown, exit 5) and every
+    page not answered has a transient error row, which the next run retries."""
+    from vlbatch.errors import EngineStayedDown
+
     job = write_job({**job_fields("fake-model", [f"{samples}/*"]), "executor": "ray",
                      "ray": {"workers": 1, "pages_per_batch": 1, "batches_per_worker": 1}})
-    stats = run_job(load_job(job), prompts_factory=fakes.fake_prompts,
-                    engine_factory=lambda job, prompts: fakes.FakeEngine(fail_after=4))
+    starts = tmp_path / "starts"
+    starts.mkdir()
+
+    def dies_after_four(job, prompts):  # each engine answers 4 requests, then dies
+        (starts / str(len(list(starts.iterdir())))).touch()
+        return fakes.FakeEngine(fail_after=4)
+
+    with pytest.raises(EngineStayedDown, match="after one restart"):
+        run_job(load_job(job), prompts_factory=fakes.fake_prompts, engine_factory=dies_after_four)
+    assert len(list(starts.iterdir())) == 2  # the first engine and the one started for it
     df = pl.read_delta(str(tmp_path / "out" / "results"))
     assert df.height == 14 and df.select("source", "page", "task").unique().height == 14
     failed = df.filter(pl.col("status") == "error")
-    assert stats.rows_error == failed.height > 0 and stats.rows_ok == 14 - failed.height >= 4
-    assert failed["error"].str.starts_with("engine failed: engine core died").all()
+    assert (failed["error_kind"] == "transient").all() and failed.height >= 4
+    assert df.filter(pl.col("status") == "ok").height >= 8  # both engines' answers kept
+    manifest = json.loads(next((tmp_path / "out" / "_runs").glob("*.json")).read_text())
+    assert manifest["summary"]["engine_restarts"] == 1
+
+    stats = run_job(load_job(job), prompts_factory=fakes.fake_prompts,  # the next night
+                    engine_factory=lambda job, prompts: fakes.FakeEngine())
+    assert stats.pages_todo > 0
+    assert (pl.read_delta(str(tmp_path / "out" / "results"))["status"] == "ok").all()
 
 
 def test_file_time_limit_under_ray_keeps_finished_pages(local_ray, write_job, tmp_path):

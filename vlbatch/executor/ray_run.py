@@ -26,7 +26,7 @@ import logging
 import math
 import time
 
-from vlbatch.errors import JobCannotRunError
+from vlbatch.errors import EngineStayedDown, JobCannotRunError
 from vlbatch.executor.context import RunContext
 from vlbatch.executor.ray_cluster import connect, root_cause
 from vlbatch.executor.ray_stages import (GeneratePages, RenderPages, RoutePages, job_to_dict,
@@ -56,6 +56,7 @@ class RayExecutor:
     def _stream(self, ray, ctx: RunContext, units: list[PageUnit], sink: RunSink) -> None:
         by_order = {u.order: u for u in units}
         seen = False
+        down: str | None = None  # an actor's engine died, and the one started for it too
         started = time.monotonic()
         try:
             for batch in self._pipeline(ray, ctx.job, units).iter_batches(
@@ -63,6 +64,9 @@ class RayExecutor:
                 for row in batch.to_pylist():
                     seen = True
                     self._page_back(ctx, by_order[row["order"]], row, sink)
+                    down = down or row.get("engine_down")
+                if down is not None:  # as locally: stop, the pages left get transient rows
+                    break
             sink.stats.generation_s = round(time.monotonic() - started, 2)
         except Exception as e:
             reason = f"Ray pipeline failed: {root_cause(e)}"
@@ -70,10 +74,14 @@ class RayExecutor:
                 raise JobCannotRunError(reason) from e
             log.error("%s", reason)  # mid-run: every page not back gets error rows
         else:
-            reason = "lost in the Ray pipeline"  # never expected: accounted for all the same
+            # never expected but for an engine that stayed down: accounted for all the same
+            reason = down or "lost in the Ray pipeline"
         sink.fail_unseen(reason)
         sink.fail_pending(reason)
         ctx.lap("generate_s")
+        if down is not None:
+            raise EngineStayedDown(f"{down} (after one restart); the pages left have transient "
+                                   f"error rows that the next run retries")
 
     @staticmethod
     def _page_back(ctx: RunContext, unit: PageUnit, row: dict, sink: RunSink) -> None:
@@ -86,6 +94,7 @@ class RayExecutor:
         if row.get("engine_start_s") is not None:  # the slowest actor's start
             sink.engine_version = row.get("engine_version")
             sink.stats.engine_device = row.get("engine_device")
+            sink.stats.engine_restarts = max(sink.stats.engine_restarts, row.get("engine_restarts") or 0)
             sink.stats.engine_start_s = max(sink.stats.engine_start_s or 0, row["engine_start_s"])
         routed = routed_of(row["routes"], ctx.job)
         sink.page_routed(unit, outcome_of({**row, "rgb": None}), routed)

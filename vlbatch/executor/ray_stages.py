@@ -37,7 +37,8 @@ PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
 }
 ROUTED_COLUMNS = {"routes": pa.string()}
 ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64(),
-                  "engine_device": pa.string()}
+                  "engine_device": pa.string(), "engine_restarts": pa.int32(),
+                  "engine_down": pa.string()}
 
 
 def job_to_dict(job: Job) -> dict:
@@ -168,7 +169,9 @@ class RoutePages:
 
 class GeneratePages:
     """A long-lived vLLM actor: loads the model once and answers the `generate` routes of
-    every page block it is given, several blocks at once (a threaded actor)."""
+    every page block it is given, several blocks at once (a threaded actor). An engine that
+    dies is started again once, as locally (engine/loop.py); if the new one dies too, every
+    row after says so (`engine_down`) and the driver stops the run (exit 5)."""
 
     def __init__(self, job: dict, engine_factory=None):
         self.job = Job.model_validate(job)
@@ -182,7 +185,13 @@ class GeneratePages:
         self.device = getattr(self.engine, "device", None)
         from vlbatch.pipeline.answers import review
 
-        self.loop = EngineLoop(self.engine, review=review)
+        self.down: str | None = None  # why the engine stayed down, once it has
+        factory = engine_factory
+        self.loop = EngineLoop(self.engine, review=review,
+                               restart=lambda: factory(self.job, None), on_down=self._down)
+
+    def _down(self, reason: str) -> None:
+        self.down = reason
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -208,5 +217,6 @@ class GeneratePages:
             if isinstance(row["routes"], dict):
                 row["routes"] = json.dumps(row["routes"])
             row.update(rgb=None, engine_version=self.version, engine_start_s=self.start_s,
-                       engine_device=self.device)
+                       engine_device=self.device, engine_restarts=self.loop.restarts,
+                       engine_down=self.down)
         return _table(rows, ROUTED_COLUMNS, ENGINE_COLUMNS)
