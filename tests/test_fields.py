@@ -344,3 +344,31 @@ def test_the_example_invoice_job_is_valid():
     schema = job.tasks[0].answer_schema
     assert {"vendor", "total", "date", "paid"} <= set(schema["required"])
     assert job.tasks[1].answer_schema is None
+
+
+@pytest.mark.parametrize("sent_at, kept", [
+    ("2026-12-01T08:30:00+01:00", datetime(2026, 12, 1, 7, 30, tzinfo=timezone.utc)),
+    ("2026-12-01t07:30:00.250z", datetime(2026, 12, 1, 7, 30, 0, 250000, tzinfo=timezone.utc)),
+    ("2026-12-01T07:30:00", None),  # no zone: which instant is unknown
+    ("2026-12-01", None),  # a date is not a date-time
+    ("20261201T073000Z", None),  # ISO 8601's basic form is not RFC 3339
+    ("1 Dec 2026, 7:30", None),
+])
+def test_date_time_fields_are_rfc_3339_with_a_zone(samples, write_job, tmp_path, sent_at, kept):
+    """A `datetime` field takes RFC 3339 date-times with a zone (Z or +HH:MM), whatever
+    jsonschema's optional format checkers are installed; anything else is a schema error
+    with the text kept, never a guess taken as UTC."""
+    job = invoice_job(samples, write_job)
+    run(job, ScriptedEngine(lambda r: (json.dumps({**INVOICE, "sent_at": sent_at})
+                                       if r.task.name == "invoice" else "none", "stop")))
+    results = pl.read_delta(str(tmp_path / "out" / "results")).filter(pl.col("task") == "invoice")
+    fields = tmp_path / "out" / "fields" / "invoice"
+    if kept is not None:
+        assert (results["status"] == "ok").all()
+        assert set(pl.read_delta(str(fields))["sent_at"].to_list()) == {kept}
+        return
+    assert (results["status"] == "error").all()
+    assert results["error"].str.contains("sent_at").all(), results["error"][0]
+    assert results["error"].str.starts_with("schema:").all()
+    assert (results["error_output"].str.contains(sent_at, literal=True)).all()
+    assert not fields.exists()

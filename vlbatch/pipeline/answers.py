@@ -18,6 +18,7 @@ If the retry fails too the row is an error row with that reason, its text in
 from __future__ import annotations
 
 import json
+import re
 from datetime import date, datetime, timezone
 from functools import lru_cache
 
@@ -93,6 +94,12 @@ def _best_error(validator, value):
     return best_match(validator.iter_errors(value))
 
 
+# JSON Schema's `date` and `date-time` formats are RFC 3339's full-date and date-time:
+# checked here whatever jsonschema's optional format checkers are installed
+DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
 @lru_cache(maxsize=64)
 def _validator(task: Task):
     from jsonschema import Draft202012Validator
@@ -128,12 +135,15 @@ def _typed(value, kind: tuple, path: str):
         if name == "boolean":
             return bool(value)
         if name == "date":
+            if not isinstance(value, str) or not DATE.fullmatch(value):
+                raise ValueError("a date is YYYY-MM-DD")
             return date.fromisoformat(value)
         if name == "datetime":
-            moment = datetime.fromisoformat(value)
-            if moment.tzinfo is None:  # no zone given: taken as UTC
-                moment = moment.replace(tzinfo=timezone.utc)
-            return moment.astimezone(timezone.utc)
+            if not isinstance(value, str) or not DATE_TIME.fullmatch(value):
+                raise ValueError("a date-time is RFC 3339: YYYY-MM-DDTHH:MM:SS[.fraction] "
+                                 "and a zone, Z or +HH:MM")
+            return datetime.fromisoformat(value.upper().replace("Z", "+00:00")) \
+                .astimezone(timezone.utc)
         if name == "list":
             return [_typed(item, kind[1], f"{path}[]") for item in value]
         if name == "object":
