@@ -9,6 +9,7 @@
 #   pywavelets==1.10.0 pebble==5.2.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
 #   referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 lm-format-enforcer==0.11.3
 #   interegular==0.3.3 outlines_core==0.2.14 deltalake==1.6.6 arro3-core==0.9.1 deprecated==1.3.1
+#   pypdfium2==5.15.2
 #   wrapt==2.5.2"  (deltalake: the output tables; its abi3 wheel fits the device's pyarrow 25
 #   and Python 3.12) (vLLM 0.26 imports the last three for every
 #   structured request, whatever the backend), PART_MB=58: two parts. The run report's plots

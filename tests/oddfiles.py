@@ -39,6 +39,18 @@ def zero_page_pdf(path: Path) -> Path:
     return path
 
 
+def wrong_page_count_pdf(path: Path, text: str = "Drawn by PDFium") -> Path:
+    """A one-page PDF whose page tree says /Count 0: MuPDF reads no pages, PDFium finds the
+    page (a damage seen in public PDF test suites)."""
+    import re
+
+    doc = pymupdf.open()
+    doc.new_page().insert_text((72, 72), text, fontsize=24)
+    data = doc.tobytes(garbage=0, deflate=False)
+    path.write_bytes(re.sub(rb"/Count \d+", b"/Count 0", data))
+    return path
+
+
 def random_bytes(path: Path, n: int = 4096) -> Path:
     path.write_bytes(np.random.RandomState(1).bytes(n))
     return path

@@ -335,3 +335,22 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
         assert fa.data is not None and set(fa.data) == set(data) >= {"pixel_values", "image_grid_thw"}
         for key in fa.data:
             assert torch.equal(fa.data[key].data, data[key].data), key
+
+
+def test_a_pdf_only_pdfium_reads_gets_its_answers_and_the_pages_table_names_the_renderer(
+        tiny_model, write_job, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.wrong_page_count_pdf(docs / "count0.pdf")  # MuPDF: no pages; PDFium: one
+    oddfiles.pdf(docs / "fine.pdf", pages=1)
+    oddfiles.png(docs / "picture.png")
+    result = run_cli("run", str(write_job(job_fields(tiny_model, ["docs/*"]))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    pages = pl.read_delta(str(tmp_path / "out" / "pages"))
+    renderers = dict(zip(pages["matched_path"], pages["renderer"], strict=True))
+    assert renderers == {"docs/count0.pdf": "pdfium", "docs/fine.pdf": "mupdf",
+                         "docs/picture.png": "pillow"}
+    drawn = pages.filter(pl.col("matched_path") == "docs/count0.pdf")
+    assert drawn["error"][0] is None and "Drawn by PDFium" in drawn["text_layer"][0]
+    results = pl.read_delta(str(tmp_path / "out" / "results"))
+    assert results.filter(pl.col("matched_path") == "docs/count0.pdf")["page"].to_list() == [1, 1]

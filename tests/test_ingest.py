@@ -198,3 +198,21 @@ def test_content_hash_exact_and_phash_near(tmp_path):
     assert all(len(h) == 64 for h in ph.values())  # 256 bits, hex
     assert hamming(ph["a"], ph["b"]) <= 4 and hamming(ph["a"], ph["jpeg"]) <= 12
     assert hamming(ph["a"], ph["other"]) > 60
+
+
+def test_a_pdf_mupdf_reads_as_empty_is_probed_and_drawn_by_pdfium(tmp_path):
+    path = oddfiles.wrong_page_count_pdf(tmp_path / "count0.pdf")
+    import pymupdf
+
+    assert pymupdf.open(path).page_count == 0  # what MuPDF makes of it
+    probe = ingest.probe(str(path), 72, None)
+    assert probe.error is None and probe.kind == "pdf-pdfium" and len(probe.pages) == 1
+    page = ingest.render(str(path), probe.kind, 1, Render(dpi=72, max_pixels=MAX))
+    assert "Drawn by PDFium" in page.text_layer and page.width * page.height <= MAX
+    ink = Image.frombytes("RGB", (page.width, page.height), page.rgb).convert("L")
+    assert ink.getextrema()[0] < 100  # the text is drawn, not a blank page
+
+
+def test_a_pdf_neither_renderer_reads_names_both_reasons(tmp_path):
+    probe = ingest.probe(str(oddfiles.truncated_pdf(tmp_path / "t.pdf")), 72, None)
+    assert probe.error.startswith("cannot open PDF") and "; PDFium: " in probe.error

@@ -42,6 +42,7 @@ PAGE_SCHEMA = pa.schema([
     ("error", pa.string()),
     ("run_id", pa.string()),
     ("matched_path", pa.string()),
+    ("renderer", pa.string()),  # mupdf, pdfium (MuPDF could not read the file), pillow
 ])
 
 RESULT_KEY = ("source", "page", "task")

@@ -38,7 +38,7 @@ class PageSize:
 
 @dataclass(frozen=True)
 class Probe:
-    kind: str  # "pdf" or "image"
+    kind: str  # "pdf" (MuPDF), "pdf-pdfium" (PDFium: MuPDF failed, pdfium.py) or "image"
     pages: list[PageSize]
     error: str | None = None  # the whole file failed: no pages
 
@@ -81,6 +81,10 @@ class RenderedPage:
             return self.image()
         with Image.open(io.BytesIO(self.compare_png)) as image:
             return image.convert("RGB")
+
+
+# which library drew a page of each probe kind (the pages table's `renderer`)
+RENDERERS = {"pdf": "mupdf", "pdf-pdfium": "pdfium", "image": "pillow"}
 
 
 def file_kind(path: str) -> str:
@@ -144,9 +148,16 @@ def probe(path: str, dpi: int, password: str | None,
     try:
         kind = file_kind(path)
         if kind == "pdf":
-            with _open_pdf(path, password) as doc:
+            try:
+                doc = _open_pdf(path, password)
+            except ValueError as e:
+                if str(e).startswith("encrypted PDF"):
+                    raise
+                return _pdfium_probe(path, dpi, password, str(e))
+            with doc:
                 if doc.page_count == 0:
-                    return Probe(kind, [], "PDF has no pages (empty, or damaged past repair)")
+                    return _pdfium_probe(path, dpi, password,
+                                         "PDF has no pages (empty, or damaged past repair)")
                 pages = []
                 for i in range(doc.page_count):
                     try:
@@ -176,6 +187,18 @@ def probe(path: str, dpi: int, password: str | None,
         return Probe("unknown", [], str(e))
     except Exception as e:  # anything a native library throws
         return Probe("unknown", [], f"{type(e).__name__}: {e}")
+
+
+def _pdfium_probe(path: str, dpi: int, password: str | None, mupdf_error: str) -> Probe:
+    """MuPDF could not read the file: PDFium's pages, else MuPDF's reason and PDFium's."""
+    from vlbatch.pipeline import pdfium
+
+    if not pdfium.available():
+        return Probe("unknown", [], mupdf_error)
+    try:
+        return Probe(pdfium.PDFIUM, pdfium.page_sizes(path, dpi, password))
+    except ValueError as e:
+        return Probe("unknown", [], f"{mupdf_error}; PDFium: {e}")
 
 
 def drawings_digest(pdf_page) -> str | None:
@@ -250,7 +273,13 @@ def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
     dpi, min_pixels, max_pixels = settings.dpi, settings.min_pixels, settings.max_pixels
     compare_budget = imaging.comparison_budget(min_pixels, max_pixels)
     started = time.monotonic()
-    if kind == "pdf":
+    if kind == "pdf-pdfium":  # a file MuPDF could not read (pdfium.py)
+        from vlbatch.pipeline import pdfium
+
+        image, compare, text = pdfium.render_page(path, page, dpi, settings.pdf_password,
+                                                  min_pixels, max_pixels, compare_budget)
+        rendered = _finish(image, text, None, compare)
+    elif kind == "pdf":
         pdf_page = _worker_pdf(path, settings.pdf_password)[page - 1]
         image = _pdf_image(pdf_page, dpi, min_pixels, max_pixels)
         compare = _pdf_image(pdf_page, dpi, *compare_budget) if compare_budget else None

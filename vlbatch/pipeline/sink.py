@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from vlbatch.engine.base import Completion
 from vlbatch.pipeline.answers import checked_fields, fields_schema
 from vlbatch.job import Job, Task
-from vlbatch.pipeline.ingest import RenderedPage
+from vlbatch.pipeline.ingest import RENDERERS, RenderedPage
 from vlbatch.pipeline.failures import error_kind
 from vlbatch.pipeline.identity import task_hashes
 from vlbatch.pipeline.plan import PageUnit, done_key
@@ -328,4 +328,5 @@ class RunSink:
             text_layer=page.text_layer if page else None,
             content_hash=page.content_hash if page else None,
             phash=page.phash if page else None, source_sha256=unit.source.sha256,
-            error=error, run_id=self.stats.run_id))
+            error=error, run_id=self.stats.run_id,
+            renderer=RENDERERS.get(unit.kind) if page else None))
