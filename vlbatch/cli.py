@@ -137,7 +137,14 @@ def run(
         return
     _write_metrics(metrics, None, stats)
     out_console.print(summary_table(stats))
-    out_console.print(f"results: {job.output / 'results'}")
+    out_console.print(f"answers: {job.output / 'results'}  (pl.scan_delta(path), README: "
+                      f"\"The output folder\")")
+    for task in job.tasks:
+        if task.answer_schema is not None:
+            out_console.print(f"typed fields of {task.name}: {job.output / 'fields' / task.name}")
+    report = job.output / "_runs" / f"{stats.run_id}.html"
+    if report.is_file():
+        out_console.print(f"report: {report}")
 
 
 def _write_metrics(metrics: dict, error: BaseException | None, stats) -> None:
