@@ -32,6 +32,7 @@ from vlbatch.pipeline.workers import default_workers
 from vlbatch.output.folder import OutputFolder
 from vlbatch.output.migrate import migrate_output, needs_migration
 from vlbatch.output.retire import retire_stale
+from vlbatch.output.schemas import FIELDS_KEY, PAGE_KEY
 
 ProgressCallback = Callable[[RunStats], None]
 log = logging.getLogger("vlbatch")
@@ -123,6 +124,9 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             with render_pool(job, default_workers(job.render.workers)) as pool:
                 history = output.history(retry_errors, job.max_attempts)
                 sink.history = history
+                sink.held = {"pages": output.held_keys(output.pages, PAGE_KEY),
+                             **{t: output.held_keys(output.fields / t, FIELDS_KEY)
+                                for t in sink.fields}}
                 plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
                                        history, limit)
                 lap("probe_s")

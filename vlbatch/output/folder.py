@@ -118,6 +118,17 @@ class OutputFolder:
         """What the results table's current rows say is done (history.scan)."""
         return history.scan(self.result_batches(history.COLUMNS), retry_errors, max_attempts)
 
+    def held_keys(self, path: Path, key: tuple[str, ...]) -> history.DigestTable:
+        """The keys a table holds a row of, as digests (history.key_digest of the key's
+        values): a flush of rows whose keys are not among them is an append."""
+        table = open_table(path, check_files=False)
+        if table is None:
+            return history.DigestTable()
+        digests = []
+        for batch in table.to_pyarrow_dataset().to_batches(columns=list(key)):
+            digests += [history.key_digest(k) for k in zip(*(c.to_pylist() for c in batch.columns))]
+        return history.DigestTable.of(digests)
+
     def result_batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """The results table's current rows (those of `columns` it has), in batches; in a
         folder not migrated yet (`vlbatch plan` does not write), its parts' rows."""

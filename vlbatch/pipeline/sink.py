@@ -25,7 +25,7 @@ from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
 from vlbatch.pipeline.runlog import FileLog, Timeline
 from vlbatch.output.folder import OutputFolder
-from vlbatch.output.history import History
+from vlbatch.output.history import DigestTable, History, key_digest
 from vlbatch.output.schemas import FIELDS_KEY, PAGE_KEY, PAGE_SCHEMA, RESULT_KEY, RESULT_SCHEMA
 from vlbatch.output.table import TableWriter
 
@@ -134,16 +134,18 @@ class RunSink:
         self.stats = RunStats(run_id=run_id)
         self.engine_version: str | None = None  # the engine that answered, as it reports it
         self.progress = progress or (lambda stats: None)
-        self.history = History.of()  # what the tables held when the run began (run.py sets it)
-        # a flush of rows whose keys the table cannot hold yet is an append, else a merge
-        had_page = lambda row: self.history.has_row(row["source"], row["page"])  # noqa: E731
+        self.history = History.of()  # what the results table held when the run began (run.py)
+        # the keys the pages and fields tables held then (run.py: OutputFolder.held_keys): a
+        # flush of rows whose keys a table cannot hold yet is an append, else a merge
+        self.held: dict[str, DigestTable] = {}
         had_row = lambda row: self.history.has_row(row["source"], row["page"], row["task"])  # noqa: E731
         self.pages = TableWriter(output.pages, run_id, PAGE_SCHEMA, PAGE_KEY, job.part_rows,
-                                 job.part_seconds, known=had_page)
+                                 job.part_seconds, known=self._held("pages", PAGE_KEY))
         # a schema task's typed rows (answers.py), after their pages
         self.fields = {t.name: TableWriter(output.fields / t.name, run_id, fields_schema(t),
                                            FIELDS_KEY, job.part_rows, job.part_seconds,
-                                           before_flush=self.pages.flush, known=had_row)
+                                           before_flush=self.pages.flush,
+                                           known=self._held(t.name, FIELDS_KEY))
                        for t in job.tasks if t.answer_schema is not None}
         # pages and fields first: a reader never sees a result row without its page row
         self.results = TableWriter(output.results, run_id, RESULT_SCHEMA, RESULT_KEY,
@@ -157,6 +159,12 @@ class RunSink:
         self.task_hashes = task_hashes(job)
         self.timeline = Timeline()  # for the run report (runlog.py)
         self.file_log = FileLog()
+
+    def _held(self, table: str, key: tuple[str, ...]) -> Callable[[dict], bool]:
+        def held(row: dict) -> bool:
+            digests = self.held.get(table)
+            return digests is None or key_digest(tuple(row[c] for c in key)) in digests
+        return held
 
     # ----- what the executors call -----
     def expect(self, units: Iterable[PageUnit]) -> None:
@@ -265,8 +273,8 @@ class RunSink:
         finished_at = datetime.now(timezone.utc)
         if error is None and task.name in self.fields:
             error, error_output = self._fields_row(row, output, finished_at)
-        if error is not None and task.name in self.fields and \
-                self.history.has_row(unit.source.abs_path, unit.page, task.name):
+        if error is not None and task.name in self.fields and self._held(task.name, FIELDS_KEY)(
+                dict(source=unit.source.abs_path, page=unit.page, task=task.name)):
             # its earlier typed row is not current any more
             self.fields[task.name].remove(dict(source=unit.source.abs_path, page=unit.page,
                                                task=task.name))
