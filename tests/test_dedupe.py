@@ -361,7 +361,8 @@ def test_background_index_writes_in_batches_as_page_by_page(tmp_path):
         own = "".join(rng.choice("0123456789abcdef") for _ in range(64))
         pages.append(SimpleNamespace(content_hash=f"{i:064x}", phash=shared[:192] + own,
                                      text_layer=f"text {i % 3}" if i % 2 else None,
-                                     drawings=None, thumb=bytes([i]) * 4096, compare_png=None))
+                                     drawings=None, thumb=bytes([i]) * 4096, compare_png=None,
+                                     compare_source=None, comparison_deferred=False))
 
     def layer(page):
         return layer_key(page.text_layer, page.drawings)
@@ -529,3 +530,74 @@ def test_a_run_never_merges_with_a_page_whose_safeguards_are_gone(write_job, tmp
     assert len(engine.requests) == 1 and stats.near_copies == 0
     df = pl.read_delta(str(tmp_path / "out-gone" / "results"))
     assert df["reused_from"].to_list() == [None] and df["cached"].to_list() == [False]
+
+
+def test_comparison_images_are_made_on_demand_and_only_from_the_unchanged_file(write_job, tmp_path):
+    """At a budget below the comparison budget the render workers leave the comparison
+    image: a run of PDFs alone makes none. A raster copy in a later run has one made for it
+    and for last night's page (from its file, in a render worker), kept in the feature cache,
+    and merges. Once last night's file is changed in place or gone, its comparison image
+    cannot be made from it: the copy is generated, not merged."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    a = write_invoice(docs / "a.pdf")
+    write_invoice(docs / "b.pdf", ("INV-2026-00418",) + FIELDS[1:])
+    fields = one_task(job_fields("fake-model", ["docs/*.pdf"]))
+    fields["render"]["max_pixels"] = 256 * 32 * 32
+    run(write_job(fields))
+    features = tmp_path / "cache" / "default" / "features"
+
+    def compare_entries():
+        with diskcache.Cache(str(features)) as cache:
+            return [k for k in cache.iterkeys() if str(k).startswith("compare:")]
+
+    assert compare_entries() == []  # two statements with other text: no pixel check at all
+    with pymupdf_open(a) as doc:
+        doc[0].get_pixmap(dpi=100).save(docs / "a-raster.png")
+    fields.update(inputs=["docs/a-raster.png"], output="out-copy")
+    stats, engine = run(write_job(fields))
+    assert len(engine.requests) == 0 and stats.near_copies == 1
+    assert len(compare_entries()) == 2  # last night's page and the copy
+
+    for key in compare_entries():  # made again on demand below, or not at all
+        with diskcache.Cache(str(features)) as cache:
+            del cache[key]
+    original = a.read_bytes()
+    write_invoice(a, FIELDS[:3] + ("1,204.58 EUR",))  # changed in place: one digit
+    with pymupdf_open(a) as doc:  # and a raster of the new one
+        doc[0].get_pixmap(dpi=100).save(docs / "a-changed-raster.png")
+    # last night's page is a candidate (the same template), and its file now draws what
+    # the copy shows, but not what last night's answer is of: no merge
+    fields.update(inputs=["docs/a-changed-raster.png"], output="out-changed")
+    stats, engine = run(write_job(fields))
+    assert len(engine.requests) == 1 and stats.near_copies == 0
+    a.write_bytes(original)
+    a.rename(docs / "a-moved.pdf")  # gone from where last night's page was read
+    fields.update(output="out-gone", inputs=["docs/a-raster.png"])
+    stats, engine = run(write_job(fields))
+    assert len(engine.requests) == 1 and stats.near_copies == 0
+
+
+def pymupdf_open(path):
+    import pymupdf
+
+    return pymupdf.open(path)
+
+
+def test_a_comparison_that_runs_past_the_page_limit_is_no_merge(tmp_path):
+    """The on-demand comparison runs in a render worker, under the page time limit: past
+    it, there is no image (and so no merge), and the pool goes on."""
+    from vlbatch.pipeline.comparison import Comparisons
+    from vlbatch.pipeline.workers import WorkerPool
+
+    a = write_invoice(tmp_path / "a.pdf")
+    small = Render(dpi=150, max_pixels=64 * 32 * 32, min_pixels=64 * 32 * 32)
+    page = ingest.render(str(a), "pdf", 1, small, defer_comparison=True)
+    assert page.comparison_deferred and page.compare_png is None
+    with WorkerPool(1, timeout_s=60) as pool:
+        made = Comparisons(small, pool=pool)(page.compare_source, page.content_hash)
+        assert made is not None and made.size == ingest.render(str(a), "pdf", 1, small).comparison().size
+    with WorkerPool(1, timeout_s=0.001) as pool:
+        comparisons = Comparisons(small, pool=pool)
+        assert comparisons(page.compare_source, page.content_hash) is None
+        assert comparisons.failed == 1

@@ -27,6 +27,7 @@ from vlbatch.errors import EngineStayedDown
 from vlbatch.executor.context import RunContext
 from vlbatch.pipeline import scope
 from vlbatch.pipeline.answers import review
+from vlbatch.pipeline.comparison import Comparisons
 from vlbatch.pipeline.dedupe import Deduper
 from vlbatch.pipeline.ingest import RenderedPage
 from vlbatch.pipeline.plan import PageUnit
@@ -59,7 +60,10 @@ class LocalExecutor:
         rendered: queue.Queue = queue.Queue(maxsize=ctx.pool.lookahead)
         events: queue.Queue = queue.Queue()  # to the main thread: ("page" | "done" | ...)
         engine: Future = Future()  # the EngineLoop, once started
-        router = Router(job, Deduper(job.dedupe, index=ctx.features), ctx.results)
+        # comparison images the dedupe needs are made by the render workers, on demand
+        router = Router(job, Deduper(job.dedupe, index=ctx.features,
+                                     comparisons=Comparisons(job.render, pool=ctx.pool)),
+                        ctx.results)
 
         def render() -> None:
             try:

@@ -21,7 +21,7 @@ import pyarrow as pa
 from vlbatch.engine.base import Completion, Request
 from vlbatch.engine.loop import EngineLoop
 from vlbatch.job import Job
-from vlbatch.pipeline.ingest import RenderedPage
+from vlbatch.pipeline.ingest import CompareSource, RenderedPage
 from vlbatch.pipeline.render import FileTimeBudget, PageSpec, RenderFailure, render_in_order, render_pool
 from vlbatch.pipeline.route import RoutedPage, TaskRoute
 
@@ -33,7 +33,7 @@ PAGE_COLUMNS = {  # what every stage passes on (stages add their own columns)
     "row_error": pa.string(), "cost_s": pa.float64(), "width": pa.int32(),
     "height": pa.int32(), "rgb": pa.binary(), "text_layer": pa.string(),
     "drawings": pa.string(), "content_hash": pa.string(), "phash": pa.string(), "from_cache": pa.bool_(),
-    "thumb": pa.binary(), "compare_png": pa.binary(), "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
+    "thumb": pa.binary(), "compare_png": pa.binary(), "compare_source": pa.string(), "healed": pa.bool_(), "render_s": pa.float64(), "tasks": pa.string(),
 }
 ROUTED_COLUMNS = {"routes": pa.string()}
 ENGINE_COLUMNS = {"engine_version": pa.string(), "engine_start_s": pa.float64(),
@@ -64,7 +64,9 @@ def outcome_columns(outcome: RenderedPage | RenderFailure) -> dict:
             "content_hash": outcome.content_hash, "phash": outcome.phash,
             "from_cache": outcome.from_cache, "healed": outcome.healed,
             "render_s": outcome.render_s, "thumb": outcome.thumb,
-            "compare_png": outcome.compare_png}
+            "compare_png": outcome.compare_png,
+            "compare_source": json.dumps(outcome.compare_source.to_json())
+            if outcome.compare_source is not None else None}
 
 
 def outcome_of(row: dict) -> RenderedPage | RenderFailure:
@@ -73,7 +75,9 @@ def outcome_of(row: dict) -> RenderedPage | RenderFailure:
     return RenderedPage(row["width"], row["height"], row["rgb"] or b"", row["text_layer"],
                         row["content_hash"], row["phash"], bool(row["from_cache"]),
                         row["render_s"] or 0.0, bool(row["healed"]), row.get("drawings"),
-                        compare_png=row.get("compare_png"), thumb=row.get("thumb") or b"")
+                        compare_png=row.get("compare_png"), thumb=row.get("thumb") or b"",
+                        compare_source=CompareSource.from_json(json.loads(row["compare_source"]))
+                        if row.get("compare_source") else None)
 
 
 # ----- a routed page (with the answers generated for it) as JSON, and back -----
@@ -136,6 +140,7 @@ class RoutePages:
 
     def __init__(self, job: dict):
         from vlbatch.pipeline.cache import FeatureCache, ResultCache
+        from vlbatch.pipeline.comparison import Comparisons
         from vlbatch.pipeline.dedupe import Deduper
         from vlbatch.pipeline.route import Router
 
@@ -145,7 +150,10 @@ class RoutePages:
         features = (FeatureCache(job.tenant_cache, job.cache_size_gib, index_in_background=False)
                     if job.feature_cache else None)
         results = ResultCache(job.tenant_cache, job.cache_size_gib) if job.result_cache else None
-        self.router = Router(job, Deduper(job.dedupe, index=features), results)
+        # comparison images the dedupe needs are made on demand, by a render worker of its own
+        comparisons = Comparisons(job.render, make_pool=lambda: render_pool(job, 1, lookahead=2))
+        self.router = Router(job, Deduper(job.dedupe, index=features, comparisons=comparisons),
+                             results)
         self.last_rank = -1
 
     def __call__(self, batch: pa.Table) -> pa.Table:

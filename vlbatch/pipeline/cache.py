@@ -126,15 +126,22 @@ class FeatureCache(_JsonEntries):
     def get_page(self, key: str) -> tuple[dict, bytes, bytes | None] | None:
         """(meta, the model's image as PNG, the comparison image as PNG or None); None when
         any of them is missing, or the entry was written by a version that did not keep the
-        dedupe's view of the page (then it is rendered again)."""
+        dedupe's view of the page (then it is rendered again). meta["deferred"]: the
+        comparison image is made on demand (pipeline/comparison.py), and it is returned
+        where it was made already."""
         meta = self._json(key)
         if not isinstance(meta, dict) or not {"content_hash", "thumb", "compare"} <= meta.keys():
             return None
         png = self._raw("image:" + meta["content_hash"])
-        compare = self._raw("compare:" + meta["content_hash"]) if meta["compare"] else None
+        wanted = meta["compare"] or meta.get("deferred")
+        compare = self._raw("compare:" + meta["content_hash"]) if wanted else None
         if not isinstance(png, bytes) or (meta["compare"] and not isinstance(compare, bytes)):
             return None
-        return meta, png, compare
+        return meta, png, compare if isinstance(compare, bytes) else None
+
+    def put_compare(self, content_hash: str, png: bytes) -> None:
+        """A comparison image made on demand (comparison.render_comparison)."""
+        self._cache.set("compare:" + content_hash, png)
 
     def has_page(self, key: str) -> bool:
         return key in self._cache
@@ -147,18 +154,23 @@ class FeatureCache(_JsonEntries):
 
     def comparison(self, content_hash: str) -> tuple[object, str | None, str | None] | None:
         """(comparison image, text layer, drawings digest) of a canonical page of an earlier
-        run, for the dedupe's pixel check; None where any of them cannot be read (an entry
-        evicted, damaged, or written by a version without them): then no merge."""
+        run, for the dedupe's pixel check, with a CompareSource in place of the image where
+        it is made on demand and was not made yet; None where any of them cannot be read
+        (an entry evicted, damaged, or written by a version without them): then no merge."""
         import io
 
         from PIL import Image
 
+        from vlbatch.pipeline.ingest import CompareSource
+
         look = self._json("look:" + content_hash)
         if not isinstance(look, dict) or not {"text", "drawings", "compare"} <= look.keys():
             return None
-        png = self._raw(("compare:" if look["compare"] else "image:") + content_hash)
+        deferred = None if look["compare"] else CompareSource.from_json(look.get("source"))
+        png = self._raw(("compare:" if look["compare"] or deferred else "image:") + content_hash)
         if not isinstance(png, bytes):
-            return None
+            # made on demand (the dedupe makes it from there), or gone: then no merge
+            return (deferred, look["text"], look["drawings"]) if deferred else None
         try:
             image = Image.open(io.BytesIO(png))
             image.load()
@@ -192,8 +204,9 @@ class FeatureCache(_JsonEntries):
         layer key, in a background thread (indexing inline cost the route stage 12% of W1
         throughput on the H200 when it shared the engine's thread). The dedupe keeps this
         run's pages in memory, so it never waits for these writes."""
+        deferred = page.compare_source.to_json() if page.comparison_deferred else None
         entry = (page.content_hash, page.phash, tuple(bands), layer, page.text_layer,
-                 page.drawings, page.thumb, page.compare_png is not None)
+                 page.drawings, page.thumb, page.compare_png is not None, deferred)
         if not self.index_in_background:
             self._write_index([entry])
             return
@@ -236,11 +249,14 @@ class FeatureCache(_JsonEntries):
     def _write_index(self, pages: list[tuple]) -> None:
         joining: dict[str, list[list]] = {}  # band or layer -> pages joining it, in order
         with self._cache.transact():
-            for content_hash, phash, page_bands, layer, text, drawings, thumb, compare in pages:
+            for (content_hash, phash, page_bands, layer, text, drawings, thumb, compare,
+                 deferred) in pages:
                 self._cache.set("phash:" + content_hash, json.dumps(phash).encode())
-                # the comparison image itself is in the page entry (put_page, by the worker)
+                # the comparison image itself is in the page entry (put_page, by the worker),
+                # or made on demand from `source` (comparison.py)
                 self._cache.set("look:" + content_hash, json.dumps(
-                    {"text": text, "drawings": drawings, "compare": compare}).encode())
+                    {"text": text, "drawings": drawings, "compare": compare,
+                     "source": deferred}).encode())
                 self._cache.set("thumb:" + content_hash, thumb)
                 member = [content_hash, phash, layer]
                 for key in ["band:" + band for band in page_bands] + (

@@ -10,6 +10,7 @@ page is looked up at a cost that does not grow with the run (`hashindex`):
 3. the pixel check (`pixelcheck.same_page`, at the comparison size, in colour) runs on at
    most MAX_PIXEL_CHECKS of them, nearest first.
 A page whose safeguards (layers, comparison image) cannot be read is never merged with.
+Comparison images are made only for the pages a pixel check needs (comparison.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Literal
 
 from cachetools import LRUCache
 
+from vlbatch.pipeline.comparison import Comparisons
 from vlbatch.pipeline.hashindex import Candidate, PageHashIndex, rank, thumbs_of
+from vlbatch.pipeline.ingest import CompareSource
 from vlbatch.pipeline.pixelcheck import same_page, words
 
 BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
@@ -58,8 +61,11 @@ class Deduper:
     run (the last `memo_bands` of them kept); a candidate's image is read from the cache only
     for the few pixel checks a page may cost."""
 
-    def __init__(self, settings, index=None, keep_in_memory: int = 16, memo_bands: int = 4096):
+    def __init__(self, settings, index=None, comparisons: Comparisons | None = None,
+                 keep_in_memory: int = 16, memo_bands: int = 4096):
         self.settings = settings  # the job's Dedupe section
+        # makes the comparison images that the render workers left for later
+        self.comparisons = comparisons or Comparisons()
         self.max_distance = settings.max_phash_distance if settings.near_duplicates else 0
         self.index = index  # a FeatureCache: pages of earlier runs (or None)
         self.search_index = index is not None and not index.empty_at_open
@@ -75,6 +81,7 @@ class Deduper:
     def close(self) -> None:
         """Removes the spilled part of this run's index (also done when collected)."""
         self.pages.close()
+        self.comparisons.close()
 
     def match(self, page) -> tuple[str, Relation]:
         """(canonical content hash, how the page relates to it) for a RenderedPage."""
@@ -144,12 +151,21 @@ class Deduper:
         if view is None:
             found = self.recent.get(content_hash)
             if found is not None:
-                view = found.comparison(), found.text_layer, found.drawings
+                view = self._comparison(found), found.text_layer, found.drawings
             elif self.index is not None:
                 view = self.index.comparison(content_hash)
-            if view is not None:
-                self.views[content_hash] = view
+                if view is not None and isinstance(view[0], CompareSource):  # not made yet
+                    view = self.comparisons(view[0], content_hash), view[1], view[2]
+            if view is None or view[0] is None:
+                return None
+            self.views[content_hash] = view
         return view
+
+    def _comparison(self, page):
+        """A RenderedPage's comparison image (made now where it was deferred), or None."""
+        if page.comparison_deferred:
+            return self.comparisons(page.compare_source, page.content_hash)
+        return page.comparison()
 
     def _near_copy_of(self, page, layer: str | None) -> str | None:
         """The nearest earlier page that the pixel check confirms as the same, if any."""
@@ -159,7 +175,9 @@ class Deduper:
             if other is None:
                 continue
             if image is None:
-                image = page.comparison()
+                image = self._comparison(page)
+                if image is None:  # its own cannot be made: no merge
+                    return None
             self.pixel_checks += 1
             if same_page(image, other[0], page.text_layer, other[1], self.settings,
                          page.drawings, other[2]):

@@ -12,6 +12,7 @@ from PIL import Image, ImageOps
 COMPARE_LONG_SIDE = 1344  # pixels: the dedupe compares pages at most this large
 COMPARE_PIXELS = 1280 * 32 * 32  # and fitted to at least this budget, whatever the model's
 THUMB_SIDE = 64  # the thumbnail the dedupe ranks candidates by: 64x64 grey cell means
+THUMB_RENDER_SIDE = 768  # pixels: the long side a PDF page is drawn at for its thumbnail
 IMAGE_FACTOR = 32
 MAX_ASPECT_RATIO = 200  # the model's processor refuses more extreme pages
 

@@ -44,6 +44,31 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class CompareSource:
+    """Where the dedupe's comparison image of a page is made from when a pixel check needs
+    it (pipeline/comparison.py): the file, the page and the settings its content hash was
+    rendered with (the made image is checked against that hash: a file changed since gives
+    no image, so no merge)."""
+
+    path: str
+    kind: str
+    page: int
+    dpi: int
+    min_pixels: int
+    max_pixels: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value) -> CompareSource | None:
+        try:
+            return cls(**value) if isinstance(value, dict) else None
+        except TypeError:  # written by another version
+            return None
+
+
+@dataclass(frozen=True)
 class RenderedPage:
     width: int
     height: int
@@ -57,9 +82,12 @@ class RenderedPage:
     drawings: str | None = None  # PDF pages: digest of where they draw (drawings_digest)
     built: Image.Image | None = field(default=None, repr=False, compare=False)
     # the dedupe's view (imaging.comparison_budget): the page at the comparison budget as
-    # PNG where the model's budget is smaller, and the 64x64 grey thumbnail of it
+    # PNG where the model's budget is smaller, or where to make it from on demand
+    # (compare_source: the pipeline defers it, most pages are never pixel-checked); and the
+    # 64x64 grey thumbnail of the model's image
     compare_png: bytes | None = field(default=None, repr=False)
     thumb: bytes = field(default=b"", repr=False)
+    compare_source: CompareSource | None = None
 
     def image(self) -> Image.Image:
         if self.built is not None:
@@ -75,8 +103,16 @@ class RenderedPage:
         """The page without its pixels (for rows and counters)."""
         return dataclasses.replace(self, rgb=b"", built=None, compare_png=None)
 
+    @property
+    def comparison_deferred(self) -> bool:
+        """Its comparison image is not made yet (comparison.Comparisons makes it)."""
+        return self.compare_png is None and self.compare_source is not None
+
     def comparison(self) -> Image.Image:
         """The page as the dedupe's pixel check sees it: at its comparison size."""
+        if self.comparison_deferred:
+            raise ValueError("the comparison image of this page is made on demand "
+                             "(pipeline/comparison.py)")
         if self.compare_png is None:
             return self.image()
         with Image.open(io.BytesIO(self.compare_png)) as image:
@@ -222,20 +258,35 @@ def drawings_digest(pdf_page) -> str | None:
 
 
 def _finish(image: Image.Image, text: str | None, drawings: str | None = None,
-            compare: Image.Image | None = None) -> RenderedPage:
+            compare: Image.Image | None = None, deferred: CompareSource | None = None,
+            whole: Image.Image | None = None) -> RenderedPage:
     """The model's image (fitted), its hashes, and the dedupe's view of the page: `compare`
-    (fitted to the comparison budget) where the model's image is smaller, else its own."""
+    (fitted to the comparison budget) where the model's image is smaller, else its own, or
+    `deferred`: where to make it from when a pixel check needs it; and the thumbnail of
+    `whole`, the page at its exact aspect ratio (the fitted images' sides are rounded to
+    the model's factor, which stretches a small image by up to a tenth)."""
     compare_png = None
     if compare is not None and compare.size != image.size:
         buf = io.BytesIO()
         compare.save(buf, "PNG", compress_level=1)
         compare_png = buf.getvalue()
-    else:
-        compare = image
     return RenderedPage(image.width, image.height, image.tobytes(), text,
                         imaging.content_hash(image), imaging.perceptual_hash(image),
                         drawings=drawings, compare_png=compare_png,
-                        thumb=imaging.thumbnail(compare))
+                        thumb=imaging.thumbnail(whole if whole is not None else image),
+                        compare_source=deferred if compare_png is None else None)
+
+
+def _pdf_whole(pdf_page) -> Image.Image:
+    """The page at its exact aspect ratio, THUMB_RENDER_SIDE pixels on its long side (for
+    the thumbnail)."""
+    import pymupdf
+
+    rect = pdf_page.rect
+    zoom = imaging.THUMB_RENDER_SIDE / max(rect.width, rect.height, 1e-6)
+    pix = pdf_page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), alpha=False,
+                              colorspace=pymupdf.csRGB)
+    return Image.frombytes("RGB", (pix.width, pix.height), pix.samples)
 
 
 def _pdf_image(pdf_page, dpi: int, min_pixels: int, max_pixels: int) -> Image.Image:
@@ -266,24 +317,33 @@ def _worker_pdf(path: str, password: str | None):
     return _open_pdf_once(path, stat.st_mtime_ns, stat.st_size, password)
 
 
-def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
+def render(path: str, kind: str, page: int, settings: Render,
+           defer_comparison: bool = False) -> RenderedPage:
     """Render one page for the model (at the job's DPI and pixel budget) and, where that
     budget is below imaging.COMPARE_PIXELS, once more at that budget for the dedupe's pixel
-    check (`imaging.comparison_budget`), so its decisions do not depend on render.max_pixels."""
+    check (`imaging.comparison_budget`), so its decisions do not depend on render.max_pixels.
+    defer_comparison: that second render is left for when a pixel check needs it (the
+    pipeline's render workers: on an archive of one template it was two thirds of a page's
+    render time, and few pages are ever pixel-checked); the page says where from."""
     dpi, min_pixels, max_pixels = settings.dpi, settings.min_pixels, settings.max_pixels
     compare_budget = imaging.comparison_budget(min_pixels, max_pixels)
+    deferred = None
+    if compare_budget is not None and defer_comparison:
+        deferred = CompareSource(path, kind, page, dpi, min_pixels, max_pixels)
+        compare_budget = None
     started = time.monotonic()
     if kind == "pdf-pdfium":  # a file MuPDF could not read (pdfium.py)
         from vlbatch.pipeline import pdfium
 
-        image, compare, text = pdfium.render_page(path, page, dpi, settings.pdf_password,
-                                                  min_pixels, max_pixels, compare_budget)
-        rendered = _finish(image, text, None, compare)
+        image, compare, text, whole = pdfium.render_page(
+            path, page, dpi, settings.pdf_password, min_pixels, max_pixels, compare_budget)
+        rendered = _finish(image, text, None, compare, deferred, whole)
     elif kind == "pdf":
         pdf_page = _worker_pdf(path, settings.pdf_password)[page - 1]
         image = _pdf_image(pdf_page, dpi, min_pixels, max_pixels)
         compare = _pdf_image(pdf_page, dpi, *compare_budget) if compare_budget else None
-        rendered = _finish(image, pdf_page.get_text("text"), drawings_digest(pdf_page), compare)
+        rendered = _finish(image, pdf_page.get_text("text"), drawings_digest(pdf_page), compare,
+                           deferred, _pdf_whole(pdf_page))
     else:
         with _open_image(path, settings.max_image_megapixels) as image:
             if page > 1:
@@ -292,5 +352,5 @@ def render(path: str, kind: str, page: int, settings: Render) -> RenderedPage:
             source = imaging.to_rgb(image)
             compare = imaging.fit_to_budget(source, *compare_budget) if compare_budget else None
             rendered = _finish(imaging.fit_to_budget(source, min_pixels, max_pixels), None,
-                               compare=compare)
+                               compare=compare, deferred=deferred, whole=source)
     return dataclasses.replace(rendered, render_s=time.monotonic() - started)

@@ -69,8 +69,9 @@ def page_sizes(path: str, dpi: int, password: str | None) -> list[tuple[int, int
 
 def render_page(path: str, page: int, dpi: int, password: str | None, min_pixels: int,
                 max_pixels: int, compare_budget: tuple[int, int] | None
-                ) -> tuple[Image.Image, Image.Image | None, str]:
-    """(the model's image, the comparison image or None, the text layer) of one page."""
+                ) -> tuple[Image.Image, Image.Image | None, str, Image.Image]:
+    """(the model's image, the comparison image or None, the text layer, the page at its
+    exact aspect ratio for the thumbnail) of one page."""
     import os
 
     stat = os.stat(path)
@@ -79,12 +80,14 @@ def render_page(path: str, page: int, dpi: int, password: str | None, min_pixels
     try:
         image = _image(pdf_page, dpi, min_pixels, max_pixels)
         compare = _image(pdf_page, dpi, *compare_budget) if compare_budget else None
+        width, height = pdf_page.get_size()
+        whole = _bitmap(pdf_page, imaging.THUMB_RENDER_SIDE / max(width, height, 1e-6))
         text_page = pdf_page.get_textpage()
         try:
             text = text_page.get_text_range()
         finally:
             text_page.close()
-        return image, compare, text
+        return image, compare, text, whole
     finally:
         pdf_page.close()
 
@@ -95,9 +98,12 @@ def _image(pdf_page, dpi: int, min_pixels: int, max_pixels: int) -> Image.Image:
     zoom = dpi / 72
     h, w = imaging.smart_resize(round(height * zoom), round(width * zoom), min_pixels, max_pixels)
     zoom = min(zoom, max(w / width, h / height))
+    return imaging.fit_to_budget(_bitmap(pdf_page, zoom), min_pixels, max_pixels)
+
+
+def _bitmap(pdf_page, zoom: float) -> Image.Image:
     bitmap = pdf_page.render(scale=zoom, may_draw_forms=True)
     try:
-        image = bitmap.to_pil().convert("RGB")
+        return bitmap.to_pil().convert("RGB")
     finally:
         bitmap.close()
-    return imaging.fit_to_budget(image, min_pixels, max_pixels)

@@ -90,14 +90,19 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
             try:
                 with Image.open(io.BytesIO(png)) as image:
                     rgb = image.convert("RGB")
+                # a comparison image made on demand is made from this file as it is now
+                deferred = ingest.CompareSource(
+                    spec.path, spec.kind, spec.page, settings.dpi, settings.min_pixels,
+                    settings.max_pixels) if meta.get("deferred") and compare is None else None
                 return ingest.RenderedPage(rgb.width, rgb.height, rgb.tobytes(),
                                            meta.get("text_layer"), meta["content_hash"],
                                            meta["phash"], from_cache=True,
                                            drawings=meta.get("drawings"), compare_png=compare,
-                                           thumb=base64.b64decode(meta["thumb"]))
+                                           thumb=base64.b64decode(meta["thumb"]),
+                                           compare_source=deferred)
             except Exception:  # a damaged entry: render again, and overwrite it
                 damaged = True
-    rendered = ingest.render(spec.path, spec.kind, spec.page, settings)
+    rendered = ingest.render(spec.path, spec.kind, spec.page, settings, defer_comparison=True)
     rendered = dataclasses.replace(rendered, healed=damaged)
     if cache is not None:
         buf = io.BytesIO()
@@ -106,6 +111,7 @@ def render_page(spec: PageSpec, settings: Render) -> ingest.RenderedPage:
             "content_hash": rendered.content_hash, "phash": rendered.phash,
             "text_layer": rendered.text_layer, "drawings": rendered.drawings,
             "width": rendered.width, "height": rendered.height,
+            "deferred": rendered.comparison_deferred,
             "thumb": base64.b64encode(rendered.thumb).decode(),
             "image_tokens": (rendered.width // imaging.IMAGE_FACTOR)
             * (rendered.height // imaging.IMAGE_FACTOR)}, buf.getvalue(), rendered.compare_png)

@@ -66,8 +66,6 @@ class WorkerPool:
 
     def imap(self, fn: Callable[..., Any], items: Iterable[T],
              args_of: Callable[[T], tuple]) -> Iterator[tuple[T, Any]]:
-        from pebble import ProcessExpired
-
         pending: deque = deque()
         source = iter(items)
         exhausted = False
@@ -83,15 +81,28 @@ class WorkerPool:
             if not pending:
                 return
             item, future = pending.popleft()
-            try:
-                result = future.result()
-            except FutureTimeout:
-                result = CallTimedOut(f"timeout: stopped after {self.timeout_s:g} s")
-            except ProcessExpired as e:
-                result = WorkerDied(f"worker process died (exit code {e.exitcode})")
-            except Exception as e:  # the function raised: its message is the reason
-                result = e
-            yield item, result
+            yield item, self._outcome(future)
+
+    def _outcome(self, future) -> Any:
+        """A call's result, or the exception that says why there is none."""
+        from pebble import ProcessExpired
+
+        try:
+            return future.result()
+        except FutureTimeout:
+            return CallTimedOut(f"timeout: stopped after {self.timeout_s:g} s")
+        except ProcessExpired as e:
+            return WorkerDied(f"worker process died (exit code {e.exitcode})")
+        except Exception as e:  # the function raised: its message is the reason
+            return e
+
+    def call(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """One call, beside whatever `imap` has in flight (another thread may call this):
+        its result, or the exception (raised) that says why there is none."""
+        result = self._outcome(self._pool.schedule(fn, args=args, timeout=self.timeout_s))
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def close(self) -> None:
         self._pool.stop()
