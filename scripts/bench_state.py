@@ -4,8 +4,8 @@ tracemalloc (Python allocations, numpy's included) and the process's resident me
 
 - the dedupe state: a Deduper that has seen N distinct pages (this run's index: the newest
   pages in memory, older ones spilled to SQLite; the feature cache's index is on disk);
-- the done-key scan: `OutputFolder.history()` over N result rows in parts of 1,000 rows,
-  peak during the scan and what the History it returns keeps.
+- the done-key scan: `OutputFolder.current_results()` over N result rows in parts of 1,000
+  rows, peak during the scan and what the frame it returns keeps.
 
     python scripts/bench_state.py [--pages 10000 100000]
 """
@@ -118,8 +118,8 @@ def done_key_scan(n: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         output = OutputFolder(Path(tmp))
         results_rows(n, output.results)
-        history, peak, held, seconds = measure(output.history)
-        assert len(history.done) == n
+        history, peak, held, seconds = measure(output.current_results)
+        assert history.height == n
     return {"part": "done-key scan", "pages": n, "seconds": round(seconds, 1),
             "peak_mib": round(peak / 2**20, 1), "held_bytes_per_page": round(held / n),
             **_rss_growth()}

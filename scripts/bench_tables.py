@@ -7,7 +7,7 @@ after a night of 1,000-row flushes), and each measure is the median of REPEAT fl
     merge-all   every row replaces a current one (a night that regenerates)
     merge-few   1% of the rows replace current ones, the rest are new
     retire      100 (source, page) keys retired (one merge that deletes)
-    history     the run's start: the done keys read from the current rows
+    history     the run's start: the key and identity columns of the current rows
 
     python scripts/bench_tables.py [--sizes 10000 100000] [--rows 1000] [--repeat 5]
 """
@@ -103,7 +103,7 @@ def measure(size: int, flush: int, repeat: int, layout: str) -> dict:
                  for d in range(r * 10, r * 10 + 10) for p in range(1, 11)],
                 schema=pa.schema([("source", pa.string()), ("page", pa.int32())]))
             samples["retire"].append(timed(lambda: retire(path, f"r{r}", keys, "bench")))
-            samples["history"].append(timed(lambda: out.history()))
+            samples["history"].append(timed(lambda: out.current_results()))
         for name, values in samples.items():
             results[name] = round(statistics.median(values) * 1000, 1)
         results["files"] = len(list(path.glob("*.parquet")))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vlbatch.job import Task
 from vlbatch.pipeline.discover import Source
-from vlbatch.pipeline.plan import PageUnit, order_for_generation, select_todo
+from vlbatch.pipeline.plan import PageUnit, order_for_generation
 
 TASKS = [Task(name="short", prompt="Hi."), Task(name="long", prompt="Please describe " * 20)]
 
@@ -24,14 +24,6 @@ def test_longest_first_ties_in_input_order_tasks_adjacent():
     assert tokens == sorted(tokens, reverse=True) and tokens[0] == (960 // 32) * (1344 // 32) + 40
 
 
-def test_select_todo_drops_finished_tasks_and_pages():
-    units = [unit(i, 300, 300) for i in range(3)]
-    done = {(0, "short"), (0, "long"), (1, "short")}
-    todo = select_todo(units, TASKS, lambda u, t: (u.order, t.name) in done)
-    assert [(u.order, [t.name for t in u.tasks]) for u in todo] == [(1, ["long"]), (2, ["short", "long"])]
-    assert all(len(u.tasks) == 2 for u in units)  # the plan's units are left as they were
-
-
 def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
     from vlbatch.job import Job
     from vlbatch.pipeline.ingest import PageSize, Probe
@@ -40,13 +32,20 @@ def test_limit_is_counted_in_input_order_before_what_is_done(tmp_path):
     job = Job(name="t", inputs=["*"], output=tmp_path, model="m", tasks=list(TASKS))
     sources = tuple(Source(f"f{i}.png", f"/f{i}.png", 1, f"sha{i}") for i in range(4))
     probes = [Probe("image", [PageSize(1, 300, 300)]) for _ in sources]
+    import polars as pl
+
     from vlbatch.pipeline.identity import task_hashes
-    from vlbatch.output.history import History
+    from vlbatch.pipeline.survey import files_of
 
     hashes = task_hashes(job)
-    done = frozenset(("/f0.png", 1, t.name, "sha0", hashes[t.name]) for t in TASKS)
-    plan = make_plan(job, sources, probes, History.of(done), limit=3)
+    current = pl.DataFrame([{"source": "/f0.png", "page": 1, "task": t.name, "source_sha256": "sha0",
+                             "task_hash": hashes[t.name], "status": "ok", "error_kind": None,
+                             "attempt": 1, "error": None} for t in TASKS],
+                           schema_overrides={"page": pl.Int32, "error_kind": pl.String,
+                                             "error": pl.String})
+    plan = make_plan(job, files_of(list(sources), probes), current, limit=3)
     assert plan.pages_in_scope == 3 and [u.source.path for u in plan.todo] == ["f1.png", "f2.png"]
+    assert plan.pages.num_rows == 4  # every input page stays current, the limit aside
 
 
 def test_file_time_budget_skips_only_what_plan_order_would_refuse():

@@ -125,8 +125,9 @@ def test_the_report_is_written_at_the_end_of_the_run(night):
     timeline = manifest["timeline"]
     assert timeline["columns"][:3] == ["t_s", "pages", "requests"]
     assert timeline["rows"][-1][1] == manifest["summary"]["pages_finished"]
-    assert {f["source"] for f in manifest["slowest_files"]} <= {
-        i["path"] for i in manifest["inputs"]}
+    assert {f["source"] for f in manifest["slowest_files"]} <= set(manifest["inputs"]["new"])
+    assert manifest["inputs"]["counts"]["new"] == manifest["inputs"]["counts"]["matched"] == 6
+    assert "inputs new / changed / vanished" in html
 
     path.unlink()  # `vlbatch report` writes it again; an unknown run exits 3
     again = run_cli("report", str(night["out"]))

@@ -104,6 +104,9 @@ def run(
                                         help="Only the first N pages (sorted paths, page order)."),
     retry_errors: bool = typer.Option(False, "--retry-errors",
                                       help="Generate again the rows that ended in error."),
+    verify: bool = typer.Option(False, "--verify", help="Hash every input again, whatever "
+                                "its size and times say (a night otherwise hashes only new "
+                                "files and files whose size, mtime, ctime or inode changed)."),
     debug: bool = typer.Option(False, "--debug", help="Tracebacks and the engine's logs."),
     metrics_file: Optional[str] = typer.Option(None, "--metrics-file", help="Write the run's "
                                                "outcome in Prometheus text format (overrides "
@@ -124,7 +127,8 @@ def run(
         metrics["job"] = job.name
         with _signals_stop_the_run(), ProgressReporter(err_console) as progress:
             try:
-                stats = run_job(job, limit=limit, retry_errors=retry_errors, progress=progress,
+                stats = run_job(job, limit=limit, retry_errors=retry_errors, verify=verify,
+                                progress=progress,
                                 on_start=lambda s: (started.append(s), progress.watch(s)))
             finally:
                 if started:
@@ -282,6 +286,7 @@ def plan(
     limit: Optional[int] = typer.Option(None, "--limit", min=1,
                                         help="Only the first N pages, as `run --limit`."),
     retry_errors: bool = typer.Option(False, "--retry-errors", help="As `run --retry-errors`."),
+    verify: bool = typer.Option(False, "--verify", help="As `run --verify`."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
 ) -> None:
     """Validate a job and show what `vlbatch run` would do now (inputs, pages, pages already
@@ -298,7 +303,7 @@ def plan(
     try:
         job = load_job(job_file, output=output)
         the_plan = plan_job(job, limit=limit, retry_errors=retry_errors,
-                            prompts_factory=default_prompts)
+                            prompts_factory=default_prompts, verify=verify)
     except Exception as e:  # noqa: BLE001
         _fail(e, False)
         return

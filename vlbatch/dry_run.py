@@ -21,7 +21,7 @@ from vlbatch.pipeline.imaging import IMAGE_FACTOR
 from vlbatch.pipeline.plan import PageUnit, image_tokens
 from vlbatch.pipeline.render import render_pool
 from vlbatch.pipeline.workers import default_workers
-from vlbatch.output.history import History
+from vlbatch.output.history import current_rows
 from vlbatch.output.folder import OutputFolder
 
 PROBE_WORKERS = 4  # at most: a plan is a quick look, not a run
@@ -51,21 +51,20 @@ class RunPlan:
 
 
 def plan_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
-             prompts_factory=None) -> RunPlan:
+             prompts_factory=None, verify: bool = False) -> RunPlan:
     """The plan of a run of `job` now (prompts_factory: the model's PromptBuilder, as in
     run_job; its failure makes the token estimate rougher, not the plan fail)."""
     missing = job.missing_model_folder()
     if missing is not None:
         raise JobCannotRunError(missing)
     started = time.monotonic()
-    sources = scope.find_sources(job)
     exists = (job.output / "_runs").is_dir()
     output = OutputFolder(job.output, create=False) if exists else None
-    history = output.history(retry_errors, job.max_attempts) if output else History.of()
     workers = min(PROBE_WORKERS, default_workers(job.render.workers))
-    with render_pool(job, workers) as pool:
-        plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources), history,
-                               limit)
+    with render_pool(job, workers) as pool:  # the night's own survey; its index not written
+        survey = scope.survey_inputs(job, job.output, pool, verify)
+    current = output.current_results() if output else current_rows(iter(()))
+    plan = scope.make_plan(job, survey.files, current, limit, retry_errors)
     probe_s = round(time.monotonic() - started, 2)
     todo = plan.renderable
     by_task = Counter(t.name for u in todo for t in u.tasks)
@@ -80,8 +79,8 @@ def plan_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
         notes.append("requests are an upper bound: exact and near copies and result-cache "
                      "hits are found while rendering")
     return RunPlan(
-        job=job.name, output=str(job.output), inputs_matched=len(sources),
-        inputs_unreadable=sum(1 for s in sources if s.read_error),
+        job=job.name, output=str(job.output), inputs_matched=plan.inputs,
+        inputs_unreadable=plan.unreadable,
         pages_in_scope=plan.pages_in_scope, pages_unopenable=len(plan.unopenable),
         pages_already_done=plan.pages_in_scope - len(plan.todo), pages_to_do=len(plan.todo),
         rows_stale=plan.stale, requests=requests, requests_by_task=dict(by_task),

@@ -304,6 +304,13 @@ class Job(_Strict):
                            "killed run resumes from.")
     part_seconds: float = Field(default=30.0, gt=0, description="Seconds between commits "
                                 "of finished rows at most (see part_rows).")
+    verify_every_nights: int | None = Field(default=None, ge=1, description="Hash every "
+                                            "input again at least every N runs, a share of "
+                                            "them each run (those hashed longest ago): for "
+                                            "filesystems whose file times cannot be trusted. "
+                                            "Unset: a run hashes only new files and those "
+                                            "whose size, mtime, ctime or inode changed "
+                                            "(`vlbatch run --verify` hashes all once).")
     result_cache: bool = Field(default=True, description="Answers outlive the run in the cache.")
     feature_cache: bool = Field(default=True, description="Rendered pages outlive the run too: "
                                 "a later run skips rendering.")

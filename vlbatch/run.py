@@ -31,7 +31,9 @@ from vlbatch.pipeline.sink import RunSink, RunStats
 from vlbatch.pipeline.workers import default_workers
 from vlbatch.output.folder import OutputFolder
 from vlbatch.output.migrate import migrate_output, needs_migration
+from vlbatch.output.history import held_among
 from vlbatch.output.retire import retire_stale
+from vlbatch.output.source_index import write_index
 from vlbatch.output.schemas import FIELDS_KEY, PAGE_KEY
 
 ProgressCallback = Callable[[RunStats], None]
@@ -92,7 +94,7 @@ def _executor(job: Job, engine_factory):
 
 def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             engine_factory: Callable[[Job, object], GenerationEngine] = start_vllm_engine,
-            prompts_factory: Callable[[Job], object] = default_prompts,
+            prompts_factory: Callable[[Job], object] = default_prompts, verify: bool = False,
             progress: ProgressCallback | None = None,
             on_start: Callable[[RunStats], None] | None = None) -> RunStats:
     """Run the job; its stats. `on_start` gets the stats object as soon as it exists (the
@@ -113,23 +115,28 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
         if on_start is not None:
             on_start(stats)
         lap = _Laps(stats.timings)
-        features, plan, status, closing_error = None, None, "failed", None
+        features, plan, survey, status, closing_error = None, None, None, "failed", None
         reason: str | None = None  # why a run that did not finish stopped (the manifest)
         background = ThreadPoolExecutor(1, thread_name_prefix="vlbatch-load")
         try:
-            sources = scope.find_sources(job)
-            lap("discover_s")
-            stats.sources = len(sources)
             features = FeatureCache(job.tenant_cache, job.cache_size_gib) if job.feature_cache else None
             with render_pool(job, default_workers(job.render.workers)) as pool:
-                history = output.history(retry_errors, job.max_attempts)
-                sink.history = history
-                sink.held = {"pages": output.held_keys(output.pages, PAGE_KEY),
-                             **{t: output.held_keys(output.fields / t, FIELDS_KEY)
-                                for t in sink.fields}}
-                plan = scope.make_plan(job, sources, scope.probe_all(pool, job, sources),
-                                       history, limit)
-                lap("probe_s")
+                survey = scope.survey_inputs(job, output.root, pool, verify)
+                lap("discover_s")
+                stats.sources = survey.changes.matched
+                if survey.index_changed:  # what the hashes and probes learnt outlives a kill
+                    write_index(output.root, survey.index)
+                plan = scope.make_plan(job, survey.files, output.current_results(), limit,
+                                       retry_errors)
+                lap("plan_s")
+                sink.history = plan.history
+                if plan.todo:  # which of the keys to do the pages and fields tables hold
+                    pages = plan.todo_keys.select("source", "page")
+                    sink.held = {"pages": held_among(output.table_keys(output.pages, PAGE_KEY),
+                                                     pages, list(PAGE_KEY)),
+                                 **{t: held_among(output.table_keys(output.fields / t, FIELDS_KEY),
+                                                  plan.todo_keys, list(FIELDS_KEY))
+                                    for t in sink.fields}}
                 stats.pages_total, stats.pages_todo = plan.pages_in_scope, len(plan.todo)
                 stats.pages_already_done = plan.pages_in_scope - len(plan.todo)
                 stats.rows_stale = plan.stale
@@ -175,7 +182,8 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             stats.seconds = round(time.monotonic() - started, 2)
             stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
             add_cost(job, stats, stats.engine_start_s is not None)
-            manifest = _manifest(job, stats, status, plan, sink.engine_version, limit,
+            manifest = _manifest(job, stats, status, survey.changes if survey else None,
+                                 sink.engine_version, limit,
                                  retry_errors)
             manifest.update(reason=reason, timeline=sink.timeline.as_dict(),
                             slowest_files=sink.file_log.slowest())
@@ -209,16 +217,16 @@ def _over_error_budget(job: Job, stats: RunStats) -> ErrorBudgetExceeded | None:
                                f"({rate:.1%}), over max_error_rate {job.max_error_rate:.1%}")
 
 
-def _manifest(job: Job, stats: RunStats, status: str, plan, engine_version: str | None,
+def _manifest(job: Job, stats: RunStats, status: str, changes, engine_version: str | None,
               limit: int | None, retry_errors: bool) -> dict:
-    sources = plan.sources if plan is not None else ()
+    """The run's manifest; `inputs`: what this night saw change (survey.Changes), not every
+    input."""
     return {
         "run_id": stats.run_id, "status": status, "job": job.name,
         "config_hash": job.config_hash(),
         "config": job.model_dump(mode="json", exclude={"base_dir"}, by_alias=True),
         "limit": limit, "retry_errors": retry_errors,
-        "inputs": [{"path": s.abs_path, "matched_path": s.path, "sha256": s.sha256,
-                    "size": s.size} for s in sources],
+        "inputs": changes.as_dict() if changes is not None else None,
         "versions": {"vlbatch": __version__, "vllm": engine_version, "model": job.model},
         "summary": asdict(stats),
         "finished_at": datetime.now(timezone.utc).isoformat(),

@@ -13,12 +13,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 
 from vlbatch.errors import JobCannotRunError, OutputLocked
 from vlbatch.output import history
-from vlbatch.output.history import History
-from vlbatch.output.table import open_table
+from vlbatch.output.table import is_table, open_table
 
 def _replace_durably(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as f:
@@ -114,20 +114,18 @@ class OutputFolder:
         """Parquet parts of the layout before tables (vlbatch before 0.x: migrate.py)."""
         return [p for folder in self.tables() for p in sorted(folder.glob("part-*.parquet"))]
 
-    def history(self, retry_errors: bool = False, max_attempts: int = 3) -> History:
-        """What the results table's current rows say is done (history.scan)."""
-        return history.scan(self.result_batches(history.COLUMNS), retry_errors, max_attempts)
+    def current_results(self) -> pl.DataFrame:
+        """The results table's current rows, the columns judging what is done needs
+        (history.current_rows)."""
+        legacy = not is_table(self.results)
+        return history.current_rows(self.result_batches(history.COLUMNS), legacy=legacy)
 
-    def held_keys(self, path: Path, key: tuple[str, ...]) -> history.DigestTable:
-        """The keys a table holds a row of, as digests (history.key_digest of the key's
-        values): a flush of rows whose keys are not among them is an append."""
+    def table_keys(self, path: Path, key: tuple[str, ...]) -> pl.DataFrame:
+        """A table's key columns (empty where there is no table yet)."""
         table = open_table(path, check_files=False)
         if table is None:
-            return history.DigestTable()
-        digests = []
-        for batch in table.to_pyarrow_dataset().to_batches(columns=list(key)):
-            digests += [history.key_digest(k) for k in zip(*(c.to_pylist() for c in batch.columns))]
-        return history.DigestTable.of(digests)
+            return pl.DataFrame(schema={c: pl.Int32 if c == "page" else pl.String for c in key})
+        return pl.from_arrow(table.to_pyarrow_dataset().to_table(columns=list(key)))
 
     def result_batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """The results table's current rows (those of `columns` it has), in batches; in a

@@ -1,26 +1,39 @@
-"""history: what the results table's current rows say, per page x task key: finished
-(nothing to do), or tried and failed (its attempt number); and which keys the tables hold.
+"""history: what the results table's current rows say about the rows a night wants, decided
+in columns (polars), never a Python object per row of the table.
 
-Keys are held as 16-byte digests in sorted numpy arrays (16 bytes a key, 17 with an
-attempt number), never as Python objects: the scan of 100,000 rows holds a few MB, and
-reads each part in batches of BATCH rows.
+A wanted row is (source, page, task, sha256, task_hash): the file's bytes and the task's
+identity now (identity.py). Joined with the current row of its (source, page, task):
+
+- done: the current row has the same identity and is ok; or is an error that stays
+  (permanent, or transient with its `max_attempts` used), unless retrying errors; but not a
+  request refused under another engine.max_model_len than the job's now;
+- attempt: the current row's attempt number where it is an error of the same identity;
+- answered: the current row was written for the same file bytes (under other settings:
+  a row to do again because its settings changed is 'stale');
+- has_row: the table holds a row of the key (the flush merges instead of appending).
+
+What the sink asks while the run goes on (`History`, `HeldKeys`) is kept for the rows to do
+only, as 16-byte digests in sorted numpy arrays.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 
-from vlbatch.pipeline.failures import refused_under
+from vlbatch.pipeline.failures import REJECTED
 
 DoneKey = tuple[str, int | None, str, str | None, str]  # source, page, task, file hash, task hash
-BATCH = 20_000  # rows turned into Python objects at a time
 DIGEST = "S16"
-_OK, _TRANSIENT, _PERMANENT = 0, 1, 2
+COLUMNS = ["source", "page", "task", "source_sha256", "task_hash", "status", "error_kind",
+           "attempt", "finished_at", "error"]
+KEY = ["source", "page", "task"]
 
 
 def key_digest(key: tuple) -> bytes:
@@ -36,8 +49,12 @@ class DigestTable:
         self.values = values
 
     @classmethod
-    def of(cls, digests: Iterable[bytes]) -> DigestTable:
-        return cls(np.unique(np.array(list(digests), DIGEST)))
+    def of(cls, digests: Iterable[bytes], values: Iterable[int] | None = None) -> DigestTable:
+        keys = np.array(list(digests), DIGEST)
+        if values is None:
+            return cls(np.unique(keys))
+        order = np.argsort(keys, kind="stable")
+        return cls(keys[order], np.array(list(values), np.int64)[order])
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -61,132 +78,109 @@ class DigestTable:
 
 
 @dataclass(frozen=True)
-class History:
-    """Ask with the keys themselves (`DoneKey`s)."""
+class HeldKeys:
+    """Whether a table may hold a row of a key: known for the keys in `scope` (the rows to
+    do), assumed for any other (a merge is always right; an append only saves work)."""
 
-    done: DigestTable
-    attempts: DigestTable  # keys whose newest row is an error, with its attempt number
-    answered: DigestTable = field(default_factory=DigestTable)  # (source, page, task, file hash) with a row
-    keys: DigestTable = field(default_factory=DigestTable)  # (source, page, task) with a current row
-    pages: DigestTable = field(default_factory=DigestTable)  # (source, page) with a current row
-    refused: DigestTable = field(default_factory=DigestTable)  # rejected keys: the max_model_len
+    held: DigestTable = field(default_factory=DigestTable)
+    scope: DigestTable | None = None  # None: `held` knows every key
+
+    def __contains__(self, key: tuple) -> bool:
+        digest = key_digest(key)
+        if self.scope is not None and digest not in self.scope:
+            return True
+        return digest in self.held
 
     @classmethod
-    def of(cls, done: Iterable[DoneKey] = ()) -> History:
-        return cls(DigestTable.of(map(key_digest, done)), DigestTable())
+    def of(cls, held: Iterable[tuple], scope: Iterable[tuple] | None = None) -> HeldKeys:
+        return cls(DigestTable.of(map(key_digest, held)),
+                   None if scope is None else DigestTable.of(map(key_digest, scope)))
 
-    def is_done(self, key: DoneKey) -> bool:
-        return key_digest(key) in self.done
+
+@dataclass(frozen=True)
+class History:
+    """The rows to do, as the sink asks about them: each one's attempt number so far, and
+    whether the results table holds a row of its key."""
+
+    attempts: DigestTable = field(default_factory=DigestTable)  # done keys -> attempt
+    rows: HeldKeys = field(default_factory=HeldKeys)
 
     def attempt(self, key: DoneKey) -> int:
-        """The attempt number of the key's newest row if it is an error, else 0."""
+        """The attempt number of the key's current row if it is an error, else 0."""
         return self.attempts.get(key_digest(key), 0)
 
-    def was_answered(self, key: DoneKey) -> bool:
-        """Whether the key's page and task has a row under any settings."""
-        return key_digest(key[:4]) in self.answered
+    def has_row(self, source: str, page: int | None, task: str) -> bool:
+        return (source, page, task) in self.rows
 
-    def refused_under(self, key: DoneKey) -> int | None:
-        """The engine.max_model_len (0: the model's default) a key's current row was refused
-        under, if the engine refused it (failures.refused_under); else None."""
-        limit = self.refused.get(key_digest(key), -1)
-        return None if limit < 0 else limit
-
-    def has_row(self, source: str, page: int | None, task: str | None = None) -> bool:
-        """Whether the results table (task given) or the pages table holds a row of the key."""
-        if task is None:
-            return key_digest((source, page)) in self.pages
-        return key_digest((source, page, task)) in self.keys
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes() for t in (self.done, self.attempts, self.answered, self.keys,
-                                        self.pages))
+    @classmethod
+    def of_todo(cls, todo: pl.DataFrame) -> History:
+        """From judged rows to do (`judge`'s columns)."""
+        failed = todo.filter(pl.col("attempt") > 0)
+        keys = list(failed.select("source", "page", "task", "sha256", "task_hash").iter_rows())
+        held = todo.filter(pl.col("has_row")).select(KEY).iter_rows()
+        return cls(DigestTable.of(map(key_digest, keys), failed["attempt"].to_list()),
+                   HeldKeys.of(held, todo.select(KEY).iter_rows()))
 
 
-class _Columns:
-    """Growing numpy columns of the rows scanned (about 50 bytes a row)."""
-
-    def __init__(self):
-        self.parts: list[tuple[np.ndarray, ...]] = []
-
-    def add(self, *columns: np.ndarray) -> None:
-        self.parts.append(columns)
-
-    def joined(self) -> tuple[np.ndarray, ...]:
-        if not self.parts:
-            return (np.empty(0, DIGEST), np.empty(0, DIGEST), np.empty(0, np.uint8),
-                    np.empty(0, np.uint16), np.empty(0, np.int64))
-        joined = tuple(np.concatenate(c) for c in zip(*self.parts))
-        self.parts = []
-        return joined
-
-
-COLUMNS = ["source", "page", "task", "source_sha256", "task_hash", "status", "error_kind",
-           "attempt", "finished_at", "error"]
-
-
-def scan(batches: Iterable[pa.RecordBatch], retry_errors: bool = False,
-         max_attempts: int = 3) -> History:
-    """Each key's newest row decides (the results table holds one a key; its history more):
-    ok is done; a permanent error is done unless retrying errors; a transient one is done
-    once it used its `max_attempts` (unless retrying errors). Rows written before `attempt`
-    and `error_kind` existed count as attempt 1 of a permanent error. Newest: the latest
-    `finished_at`; a row without one is newer than every row before it."""
-    rows = _Columns()
-    latest = np.iinfo(np.int64).min
-    keys3, pages, refused, limits = [], [], [], []
-    for whole in batches:
-        for batch in pa.Table.from_batches([whole]).to_batches(max_chunksize=BATCH):
-            columns = {name: batch.column(name) for name in COLUMNS if name in batch.schema.names}
-            at_column = columns.get("finished_at")
-            if at_column is not None:
-                columns["finished_at"] = at_column.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64())
-            n = batch.num_rows
-            values = [columns[name].to_pylist() if name in columns else [None] * n
-                      for name in COLUMNS]
-            keys, answered, state, attempts, times = [], [], [], [], []
-            for s, p, t, h, th, status, kind, attempt, at, error in zip(*values):
-                keys.append(key_digest((s, p, t, h, th)))
-                limit = refused_under(error) if status == "error" else None
-                if limit is not None:
-                    refused.append(keys[-1])
-                    limits.append(limit)
-                answered.append(key_digest((s, p, t, h)))
-                keys3.append(key_digest((s, p, t)))
-                pages.append(key_digest((s, p)))
-                state.append(_OK if status == "ok" else _TRANSIENT if kind == "transient"
-                             else _PERMANENT)
-                attempts.append(min(attempt or 1, 65535))
-                if at is not None:
-                    latest = max(latest, at)
-                times.append(latest if at is None else at)  # no time: the newest before it
-            rows.add(np.array(keys, DIGEST), np.array(answered, DIGEST),
-                     np.array(state, np.uint8), np.array(attempts, np.uint16),
-                     np.array(times, np.int64))
-    keys, answered, state, attempts, times = rows.joined()
-    # newest row per key: sorted by key, then time, then row order; the last of each key
-    order = np.lexsort((np.arange(len(keys)), times, keys))
-    keys, state, attempts = keys[order], state[order], attempts[order]
-    last = np.ones(len(keys), bool)
-    last[:-1] = keys[1:] != keys[:-1]
-    keys, state, attempts = keys[last], state[last], attempts[last]
-    failed = state != _OK
-    if retry_errors:
-        done = ~failed
-    else:
-        done = ~failed | (state == _PERMANENT) | (attempts >= max_attempts)
-    return History(DigestTable(keys[done]), DigestTable(keys[failed], attempts[failed]),
-                   DigestTable(np.unique(answered)), DigestTable.of(keys3), DigestTable.of(pages),
-                   _valued(refused, limits))
+def current_rows(batches: Iterator[pa.RecordBatch], legacy: bool = False) -> pl.DataFrame:
+    """The results table's current rows (the columns judging needs). Parts of the layout
+    before tables (legacy) may hold several rows a key: the newest decides (the latest
+    `finished_at`; a row without one is newer than every row before it)."""
+    schema = {"source": pl.String, "page": pl.Int32, "task": pl.String,
+              "source_sha256": pl.String, "task_hash": pl.String, "status": pl.String,
+              "error_kind": pl.String, "attempt": pl.Int64, "error": pl.String}
+    frames = []
+    for batch in batches:
+        frame = pl.from_arrow(batch)
+        if not isinstance(frame, pl.DataFrame):
+            continue
+        frames.append(frame.with_columns(
+            [pl.lit(None, dtype).alias(name) for name, dtype in schema.items()
+             if name not in frame.columns]
+            + ([] if "finished_at" in frame.columns else
+               [pl.lit(None, pl.Datetime("us", "UTC")).alias("finished_at")])))
+    if not frames:
+        return pl.DataFrame(schema=schema)
+    rows = pl.concat([f.select(*schema, pl.col("finished_at").cast(pl.Datetime("us", "UTC")))
+                      .cast(schema) for f in frames])
+    if legacy:
+        rows = (rows.with_row_index("_n")
+                .with_columns(_at=pl.col("finished_at").cum_max().forward_fill())
+                .with_columns(_at=pl.coalesce("finished_at", "_at"))
+                .sort(["_at", "_n"], nulls_last=False)
+                .unique(KEY, keep="last", maintain_order=True).drop("_n", "_at"))
+    return rows.drop("finished_at")
 
 
-def _valued(digests: list[bytes], values: list[int]) -> DigestTable:
-    """A DigestTable of unique digests with a value each (the last given for a digest)."""
-    if not digests:
-        return DigestTable()
-    keys = np.array(digests, DIGEST)
-    order = np.argsort(keys, kind="stable")
-    keys, vals = keys[order], np.array(values, np.int64)[order]
-    last = np.ones(len(keys), bool)
-    last[:-1] = keys[1:] != keys[:-1]
-    return DigestTable(keys[last], vals[last])
+def judge(wanted: pl.DataFrame, current: pl.DataFrame, *, retry_errors: bool = False,
+          max_attempts: int = 3, max_model_len: int | None = None) -> pl.DataFrame:
+    """`wanted` (source, page, task, sha256, task_hash, ...) with done, attempt, answered
+    and has_row (see the module's docstring), in `wanted`'s order."""
+    cur = current.rename({c: f"cur_{c}" for c in current.columns if c not in KEY})
+    joined = wanted.join(cur, on=KEY, how="left", nulls_equal=True, maintain_order="left")
+    has_row = pl.col("cur_status").is_not_null()
+    same = has_row & (pl.col("cur_source_sha256") == pl.col("sha256")).fill_null(False) \
+        & (pl.col("cur_task_hash") == pl.col("task_hash")).fill_null(False)
+    ok = pl.col("cur_status") == "ok"
+    attempts = pl.col("cur_attempt").fill_null(1).clip(1, 65535)
+    transient = (pl.col("cur_error_kind") == "transient").fill_null(False)
+    stays = (~transient | (attempts >= max_attempts)) if not retry_errors else pl.lit(False)
+    refused = pl.col("cur_error").str.extract(
+        r"^" + re.escape(REJECTED) + r" \(engine\.max_model_len (\d+|default)\)", 1)
+    refused_under = pl.when(refused == "default").then(0).otherwise(
+        refused.cast(pl.Int64, strict=False))
+    refused_elsewhere = (~ok & refused.is_not_null()
+                         & (refused_under != (max_model_len or 0))).fill_null(False)
+    return joined.with_columns(
+        done=(same & (ok | stays) & ~refused_elsewhere).fill_null(False),
+        attempt=pl.when(same & ~ok).then(attempts).otherwise(0),
+        answered=(has_row & (pl.col("cur_source_sha256") == pl.col("sha256"))).fill_null(False),
+        has_row=has_row,
+    ).drop([c for c in joined.columns if c.startswith("cur_")])
+
+
+def held_among(table_keys: pl.DataFrame, wanted: pl.DataFrame, key: list[str]) -> HeldKeys:
+    """Which of `wanted`'s keys a table (its key columns) holds: a HeldKeys scoped to them."""
+    wanted = wanted.select(key).unique()
+    held = wanted.join(table_keys.select(key), on=key, how="semi", nulls_equal=True)
+    return HeldKeys.of(held.iter_rows(), wanted.iter_rows())

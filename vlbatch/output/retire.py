@@ -38,12 +38,11 @@ def stale_pages(tables: Iterable[Path], expected: pa.Table) -> pa.Table:
     return found.to_arrow().cast(KEY)
 
 
-def retire_stale(tables: list[Path], run_id: str, pages: Iterable[tuple[str, int | None]]) -> dict:
+def retire_stale(tables: list[Path], run_id: str, pages: pa.Table) -> dict:
     """Retires, in each table in the order given (fields, results, then pages: a reader
     never sees a result row without its page row), the rows of pages not in `pages` (this
-    night's inputs); {table folder: rows retired}."""
-    expected = pa.Table.from_pylist([{"source": s, "page": p} for s, p in pages], schema=KEY)
-    stale = stale_pages(tables, expected)
+    night's inputs: a (source, page) table); {table folder: rows retired}."""
+    stale = stale_pages(tables, pages.select(["source", "page"]).cast(KEY))
     retired = {}
     if stale.num_rows == 0:
         return retired

@@ -227,3 +227,42 @@ def retire(path: Path, run_id: str, keys: pa.Table, reason: str) -> int:
                                                                reason=reason))
                .when_matched_delete().execute())
     return int(metrics.get("num_target_rows_deleted", 0))
+
+
+def files_of_run(path: Path, run_id: str) -> list[Path] | None:
+    """The data files of the table's current version that commits of `run_id` added: where
+    the run's current rows are, when its commits are the newest (a run's report, written
+    as it ends). Read from the newest log entries back to the run's first commit, so it
+    costs what the run wrote, not the table. None where the log cannot say (a later run or
+    a compaction committed after it, or the entries are gone): scan the table instead."""
+    import json
+    from datetime import datetime, timezone
+
+    table = open_table(path, check_files=False)
+    if table is None:
+        return []
+    try:
+        started = datetime.strptime(run_id[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    started_ms = started.timestamp() * 1000 - 1000
+    root = os.path.abspath(path)
+    current = {os.path.relpath(_local(f), root) for f in table.file_uris()}
+    added: set[str] = set()
+    seen_ours = False
+    for version in range(table.version(), -1, -1):
+        entry = Path(path) / "_delta_log" / f"{version:020d}.json"
+        try:
+            lines = entry.read_text().splitlines()
+        except OSError:
+            return None
+        actions = [json.loads(line) for line in lines if line.strip()]
+        commit = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+        if commit.get("vlbatch.run_id") == run_id:
+            seen_ours = True
+            added.update(unquote(a["add"]["path"]) for a in actions if "add" in a)
+        elif commit.get("timestamp", 0) < started_ms:
+            break
+        elif not seen_ours:
+            return None  # committed after the run: its rows may have moved
+    return [Path(path) / f for f in sorted(added & current)]

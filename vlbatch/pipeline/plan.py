@@ -17,7 +17,6 @@ from vlbatch.job import Render, Task
 from vlbatch.pipeline.cache import FeatureCache
 from vlbatch.pipeline.discover import Source
 from vlbatch.pipeline.imaging import PageImageError, smart_resize
-from vlbatch.pipeline.ingest import Probe
 from vlbatch.output.history import DoneKey
 
 
@@ -48,31 +47,6 @@ class PageUnit:
 def done_key(unit: PageUnit, task: Task, task_hash: str) -> DoneKey:
     """What makes a row current across runs (write.py's History; task_hash: identity.py)."""
     return unit.source.abs_path, unit.page, task.name, unit.source.sha256, task_hash
-
-
-def page_units(sources: Iterable[Source], probes: Iterable[Probe]) -> list[PageUnit]:
-    units: list[PageUnit] = []
-    for source, probe in zip(sources, probes, strict=True):
-        if source.read_error or probe.error:
-            units.append(PageUnit(len(units), source, probe.kind, None,
-                                  error=source.read_error or probe.error))
-            continue
-        for p in probe.pages:
-            units.append(PageUnit(len(units), source, probe.kind, p.page, p.width, p.height,
-                                  error=p.error))
-    return units
-
-
-def select_todo(units: Iterable[PageUnit], tasks: Iterable[Task],
-                is_done: Callable[[PageUnit, Task], bool]) -> list[PageUnit]:
-    """Each unit with its unfinished tasks; units with nothing left to do are dropped."""
-    tasks = tuple(tasks)
-    todo = []
-    for unit in units:
-        left = tuple(t for t in tasks if not is_done(unit, t))
-        if left:
-            todo.append(dataclasses.replace(unit, tasks=left))
-    return todo
 
 
 def image_tokens(unit: PageUnit, min_pixels: int, max_pixels: int, factor: int = 32) -> int:

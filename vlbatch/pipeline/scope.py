@@ -1,36 +1,42 @@
 """scope: the job's inputs -> a frozen plan of what this run still has to do.
 
-discover (globs, file hashes) -> probe (page counts and sizes, in worker processes, no
-rendering) -> the first `limit` pages in input order -> minus the page x task rows earlier
-runs finished in this output folder. Ordering for generation needs the model's token counts
-and comes after (`order`), once the processor has loaded.
+survey (globs, stat; hashes and probes, in worker processes, of the new and changed files
+only: survey.py) -> the first `limit` pages in input order -> minus the page x task rows
+earlier runs finished in this output folder (history.judge, in columns). Ordering for
+generation needs the model's token counts and comes after (`order`), once the processor has loaded.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vlbatch.errors import JobCannotRunError
-from vlbatch.job import Job, Task
+import polars as pl
+import pyarrow as pa
+
+from vlbatch.job import Job
 from vlbatch.pipeline import ingest
-from vlbatch.pipeline.discover import Source, discover
+from vlbatch.pipeline.discover import Source
 from vlbatch.pipeline.identity import task_hashes
-from vlbatch.pipeline.plan import PageUnit, done_key, order_for_generation, page_units, select_todo
+from vlbatch.pipeline.plan import PageUnit, order_for_generation
+from vlbatch.pipeline.survey import Survey, survey
 from vlbatch.pipeline.workers import WorkerPool
-from vlbatch.output.history import History
+from vlbatch.output.history import History, judge
 
 log = logging.getLogger("vlbatch")
+PAGES = pa.schema([("source", pa.string()), ("page", pa.int32())])
 
 
 @dataclass(frozen=True)
 class Plan:
-    sources: tuple[Source, ...]
+    inputs: int  # files the globs matched
     pages_in_scope: int
     todo: tuple[PageUnit, ...]  # pages with tasks left, in input order
     stale: int = 0  # rows to do again because their settings changed
-    pages: tuple[tuple[str, int | None], ...] = ()  # every input page (path, page): all current rows
+    pages: pa.Table = field(default_factory=PAGES.empty_table)  # every input page: all current rows
+    history: History = field(default_factory=History)  # what the sink asks about the rows to do
+    unreadable: int = 0  # files that could not be read
+    todo_keys: pl.DataFrame | None = None  # (source, page, task) of the rows to do
 
     @property
     def unopenable(self) -> tuple[PageUnit, ...]:
@@ -42,14 +48,7 @@ class Plan:
         return tuple(u for u in self.todo if not u.error)
 
 
-def find_sources(job: Job) -> tuple[Source, ...]:
-    sources = tuple(discover(job.inputs, job.base_dir))
-    if not sources:
-        raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
-    return sources
-
-
-def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[ingest.Probe]:
+def probe_all(pool: WorkerPool, job: Job, sources: list[Source]) -> list[ingest.Probe]:
     r = job.render
     probes = []
     for _, result in pool.imap(ingest.probe, sources,
@@ -59,35 +58,67 @@ def probe_all(pool: WorkerPool, job: Job, sources: tuple[Source, ...]) -> list[i
     return probes
 
 
-def is_done_in(history: History, hashes: dict[str, str],
-               max_model_len: int | None = None) -> Callable[[PageUnit, Task], bool]:
-    """A row is done when history says so, but for a request the engine refused under
-    another engine.max_model_len than the job's now: its permanence depended on it."""
-    limit = max_model_len or 0
-
-    def done(unit: PageUnit, task: Task) -> bool:
-        key = done_key(unit, task, hashes[task.name])
-        if not history.is_done(key):
-            return False
-        refused = history.refused_under(key)
-        return refused is None or refused == limit
-
-    return done
+def survey_inputs(job: Job, output_root, pool: WorkerPool, verify: bool = False) -> Survey:
+    """Every input with its hash and probe, hashing and probing only what is new."""
+    return survey(job, output_root, lambda sources: probe_all(pool, job, sources), verify)
 
 
-def make_plan(job: Job, sources: tuple[Source, ...], probes: list[ingest.Probe],
-              history: History, limit: int | None = None) -> Plan:
-    """The pages in scope with the tasks earlier runs left to do. A row to do again whose
-    page and task had a row under other settings (prompt, sampling, model, render) is
-    stale, and counted."""
-    units = page_units(sources, probes)
-    in_scope = units if limit is None else units[:limit]
+def unit_frame(files: pl.DataFrame) -> pl.DataFrame:
+    """One row per page of each file (page null: the file itself failed), in input order,
+    numbered (`order`)."""
+    failed = pl.col("read_error").is_not_null() | pl.col("probe_error").is_not_null()
+    bad = files.filter(failed).select(
+        "file_order", "shown", "path", "size", "sha256", pl.col("kind").fill_null("unknown"),
+        pl.lit(None, pl.Int32).alias("page"), pl.lit(0, pl.Int32).alias("width"),
+        pl.lit(0, pl.Int32).alias("height"),
+        pl.coalesce("read_error", "probe_error").alias("error"))
+    good = files.filter(~failed).select("file_order", "shown", "path", "size", "sha256", "kind",
+                                        "pages").explode("pages").unnest("pages")
+    good = good.with_columns(  # a file probed with no pages and no reason (never expected)
+        error=pl.when(pl.col("page").is_null() & pl.col("error").is_null())
+        .then(pl.lit("the file has no pages")).otherwise(pl.col("error")),
+        width=pl.col("width").fill_null(0), height=pl.col("height").fill_null(0))
+    units = pl.concat([good.select(bad.columns), bad]).sort(["file_order", "page"],
+                                                            nulls_last=False, maintain_order=True)
+    return units.with_row_index("order")
+
+
+def make_plan(job: Job, files: pl.DataFrame, current: pl.DataFrame, limit: int | None = None,
+              retry_errors: bool = False) -> Plan:
+    """The pages in scope with the tasks earlier runs left to do (history.judge). A row to
+    do again whose page and task had a row for the same file under other settings (prompt,
+    sampling, model, render) is stale, and counted."""
+    units = unit_frame(files)
+    in_scope = units if limit is None else units.head(limit)
     hashes = task_hashes(job)
-    todo = select_todo(in_scope, job.tasks, is_done_in(history, hashes, job.engine.max_model_len))
-    stale = sum(history.was_answered(key) and not history.attempt(key)
-                for key in (done_key(u, t, hashes[t.name]) for u in todo for t in u.tasks))
-    return Plan(sources, len(in_scope), tuple(todo), stale,
-                tuple((u.source.abs_path, u.page) for u in units))
+    tasks = pl.DataFrame({"task": [t.name for t in job.tasks],
+                          "task_hash": [hashes[t.name] for t in job.tasks],
+                          "task_index": list(range(len(job.tasks)))},
+                         schema={"task": pl.String, "task_hash": pl.String, "task_index": pl.Int64})
+    wanted = in_scope.select("order", pl.col("path").alias("source"), "page", "sha256") \
+        .join(tasks, how="cross")
+    judged = judge(wanted, current, retry_errors=retry_errors, max_attempts=job.max_attempts,
+                   max_model_len=job.engine.max_model_len)
+    todo_rows = judged.filter(~pl.col("done"))
+    stale = todo_rows.filter(pl.col("answered") & (pl.col("attempt") == 0)).height
+    by_name = {t.name: t for t in job.tasks}
+    left = todo_rows.sort(["order", "task_index"]).group_by("order", maintain_order=True) \
+        .agg(pl.col("task"))
+    todo, sources = [], {}
+    for row in in_scope.join(left, on="order", how="inner", maintain_order="left") \
+            .iter_rows(named=True):
+        source = sources.get(row["path"])
+        if source is None:
+            source = sources[row["path"]] = Source(
+                row["shown"], row["path"], row["size"], row["sha256"],
+                row["error"] if row["sha256"] is None else None)
+        todo.append(PageUnit(row["order"], source, row["kind"], row["page"], row["width"],
+                             row["height"], error=row["error"],
+                             tasks=tuple(by_name[t] for t in row["task"])))
+    pages = units.select(pl.col("path").alias("source"), "page").to_arrow().cast(PAGES)
+    return Plan(files.height, in_scope.height, tuple(todo), stale, pages,
+                History.of_todo(todo_rows), int(files["read_error"].is_not_null().sum()),
+                todo_rows.select("source", "page", "task"))
 
 
 def order(job: Job, units: tuple[PageUnit, ...], prompts) -> list[PageUnit]:

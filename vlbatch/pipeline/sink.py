@@ -25,7 +25,7 @@ from vlbatch.pipeline.render import RenderFailure
 from vlbatch.pipeline.route import RoutedPage, cached_answer
 from vlbatch.pipeline.runlog import FileLog, Timeline
 from vlbatch.output.folder import OutputFolder
-from vlbatch.output.history import DigestTable, History, key_digest
+from vlbatch.output.history import HeldKeys, History
 from vlbatch.output.schemas import FIELDS_KEY, PAGE_KEY, PAGE_SCHEMA, RESULT_KEY, RESULT_SCHEMA
 from vlbatch.output.table import TableWriter
 
@@ -134,10 +134,10 @@ class RunSink:
         self.stats = RunStats(run_id=run_id)
         self.engine_version: str | None = None  # the engine that answered, as it reports it
         self.progress = progress or (lambda stats: None)
-        self.history = History.of()  # what the results table held when the run began (run.py)
-        # the keys the pages and fields tables held then (run.py: OutputFolder.held_keys): a
-        # flush of rows whose keys a table cannot hold yet is an append, else a merge
-        self.held: dict[str, DigestTable] = {}
+        self.history = History()  # the rows to do, as the results table held them (run.py)
+        # which of their keys the pages and fields tables held then (run.py): a flush of
+        # rows whose keys a table cannot hold yet is an append, else a merge
+        self.held: dict[str, HeldKeys] = {}
         had_row = lambda row: self.history.has_row(row["source"], row["page"], row["task"])  # noqa: E731
         self.pages = TableWriter(output.pages, run_id, PAGE_SCHEMA, PAGE_KEY, job.part_rows,
                                  job.part_seconds, known=self._held("pages", PAGE_KEY))
@@ -162,8 +162,8 @@ class RunSink:
 
     def _held(self, table: str, key: tuple[str, ...]) -> Callable[[dict], bool]:
         def held(row: dict) -> bool:
-            digests = self.held.get(table)
-            return digests is None or key_digest(tuple(row[c] for c in key)) in digests
+            keys = self.held.get(table)
+            return keys is None or tuple(row[c] for c in key) in keys
         return held
 
     # ----- what the executors call -----

@@ -64,18 +64,27 @@ def run_manifest(root: Path, run_id: str | None) -> dict:
         raise JobCannotRunError(f"cannot read the manifest {path}: {e}") from e
 
 
-def _scan(folder: Path, run_id: str, columns: list[str]):
-    """The table's current rows this run wrote (None without a table)."""
+def _scan(folder: Path, run_id: str, columns: list[str] | None):
+    """The table's current rows this run wrote (None without a table); columns None: all."""
     import polars as pl
 
-    from vlbatch.output.table import is_table
+    from vlbatch.output.table import files_of_run, is_table
 
     if not is_table(folder):
         return None
-    scan = pl.scan_delta(str(folder))
+    files = files_of_run(folder, run_id)  # only the files this run's commits added
+    if files is None:
+        scan = pl.scan_delta(str(folder))
+    elif files:
+        scan = pl.scan_parquet([str(f) for f in files], missing_columns="insert",
+                               extra_columns="ignore")
+    else:
+        scan = pl.scan_delta(str(folder)).head(0)
+    scan = scan.filter(pl.col("run_id") == run_id)
+    if columns is None:
+        return scan
     have = scan.collect_schema().names()
-    return scan.filter(pl.col("run_id") == run_id).select(
-        [pl.col(c) if c in have else pl.lit(None).alias(c) for c in columns])
+    return scan.select([pl.col(c) if c in have else pl.lit(None).alias(c) for c in columns])
 
 
 def _stable_rank(source: str, page: int | None) -> str:
@@ -180,7 +189,7 @@ def _fields_tables(root: Path, manifest: dict) -> dict[str, dict]:
         scan = None
         folder = root / "fields" / task["name"]
         if is_table(folder):
-            scan = pl.scan_delta(str(folder)).filter(pl.col("run_id") == manifest["run_id"])
+            scan = _scan(folder, manifest["run_id"], None)
         if scan is None:
             tables[task["name"]] = {"columns": [], "rows": [], "total": 0}
             continue

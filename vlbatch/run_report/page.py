@@ -116,6 +116,18 @@ def _fields_of(text: str | None) -> str:
     return _table(["field", "value"], rows).replace("<table>", "<table class=fields>", 1)
 
 
+def _inputs(inputs) -> list[list]:
+    """What the night saw of its inputs (survey.Changes); a list in manifests of earlier
+    versions."""
+    if isinstance(inputs, list):
+        return [["inputs matched", len(inputs)]]
+    counts = (inputs or {}).get("counts", {})
+    return [["inputs matched", counts.get("matched")],
+            ["inputs new / changed / vanished", " / ".join(
+                str(counts.get(k, 0)) for k in ("new", "changed", "vanished"))],
+            ["inputs hashed / probed", f"{counts.get('hashed', 0)} / {counts.get('probed', 0)}"]]
+
+
 def render_page(data: RunData) -> str:
     m, s = data.manifest, data.summary
     status = m.get("status", "unknown")
@@ -125,7 +137,7 @@ def render_page(data: RunData) -> str:
     meta = [["job", m.get("job")], ["run", m.get("run_id")], ["status", status],
             ["reason", m.get("reason")], ["finished at", m.get("finished_at")],
             ["model", versions.get("model")], ["vLLM", versions.get("vllm")],
-            ["vlbatch", versions.get("vlbatch")], ["inputs matched", len(m.get("inputs", []))],
+            ["vlbatch", versions.get("vlbatch")], *_inputs(m.get("inputs")),
             ["limit", m.get("limit")], ["retry errors", m.get("retry_errors")]]
     timings = {k.removesuffix("_s").replace("_", " "): v
                for k, v in s.get("timings", {}).items()}

@@ -1,0 +1,81 @@
+"""source_index: what the output folder's last run learned about each input file, so that a
+night stats the files the globs match and hashes and probes only the new and changed ones.
+
+`OUTPUT/_sources/index.parquet`, one row per input file (absolute path): its stat signature
+(size, mtime_ns, ctime_ns, inode, device), its SHA-256, when that hash was taken, and its
+probe (kind, page sizes, or the error that stopped it) under the probe settings named in
+the row. The file is replaced whole and atomically (written beside, fsynced, renamed), so a
+run killed at any point leaves the previous index or the new one. It is a cache: an index
+that cannot be read is said in the log and rebuilt (every file hashed once more), never a
+reason to fail a night.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pyarrow as pa
+
+log = logging.getLogger("vlbatch")
+
+PAGE = pa.struct([("page", pa.int32()), ("width", pa.int32()), ("height", pa.int32()),
+                  ("error", pa.string())])
+INDEX_SCHEMA = pa.schema([
+    ("path", pa.string()),  # absolute, as the run opens it
+    ("size", pa.int64()),
+    ("mtime_ns", pa.int64()),
+    ("ctime_ns", pa.int64()),
+    ("inode", pa.int64()),
+    ("device", pa.int64()),
+    ("sha256", pa.string()),
+    ("hashed_at_ns", pa.int64()),  # wall clock when the hash was taken (time.time_ns)
+    ("probe_settings", pa.string()),  # what the probe depended on (survey.probe_settings)
+    ("kind", pa.string()),
+    ("probe_error", pa.string()),  # the whole file failed to probe (a permanent reason)
+    ("pages", pa.list_(PAGE)),
+])
+FORMAT_VERSION = "1"
+
+
+def index_path(output_root: Path) -> Path:
+    return Path(output_root) / "_sources" / "index.parquet"
+
+
+def read_index(output_root: Path) -> pa.Table:
+    """The index, or an empty one where there is none or it cannot be read (said)."""
+    import pyarrow.parquet as pq
+
+    path = index_path(output_root)
+    if not path.exists():
+        return INDEX_SCHEMA.empty_table()
+    try:
+        table = pq.read_table(path)
+        meta = table.schema.metadata or {}
+        if meta.get(b"vlbatch.source_index") != FORMAT_VERSION.encode():
+            raise ValueError("written by another version of vlbatch")
+        return table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+    except Exception as e:  # noqa: BLE001 - a cache: rebuilt, whatever broke it
+        log.warning("the source index %s cannot be read (%s): every input is hashed again",
+                    path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return INDEX_SCHEMA.empty_table()
+
+
+def write_index(output_root: Path, table: pa.Table) -> Path:
+    """Replaces the index whole, atomically and durably."""
+    import pyarrow.parquet as pq
+
+    from vlbatch.output.folder import fsync_folder
+
+    path = index_path(output_root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    table = table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+    table = table.replace_schema_metadata({"vlbatch.source_index": FORMAT_VERSION})
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_folder(path.parent)
+    return path
