@@ -116,16 +116,17 @@ class OutputFolder:
 
     def current_results(self) -> pl.DataFrame:
         """The results table's current rows, the columns judging what is done needs
-        (history.current_rows)."""
-        legacy = not is_table(self.results)
-        return history.current_rows(self.result_batches(history.COLUMNS), legacy=legacy)
+        (history.current_rows), read by polars (its reader holds a fraction of what
+        pyarrow's dataset scan holds)."""
+        if is_table(self.results):
+            return history.current_rows([_read_columns(self.results, history.COLUMNS)])
+        return history.current_rows(self.result_batches(history.COLUMNS), legacy=True)
 
     def table_keys(self, path: Path, key: tuple[str, ...]) -> pl.DataFrame:
         """A table's key columns (empty where there is no table yet)."""
-        table = open_table(path, check_files=False)
-        if table is None:
+        if open_table(path, check_files=False) is None:
             return pl.DataFrame(schema={c: pl.Int32 if c == "page" else pl.String for c in key})
-        return pl.from_arrow(table.to_pyarrow_dataset().to_table(columns=list(key)))
+        return _read_columns(path, list(key))
 
     def result_batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         """The results table's current rows (those of `columns` it has), in batches; in a
@@ -149,3 +150,10 @@ class OutputFolder:
         tmp.write_text(json.dumps(manifest, indent=2, default=str))
         _replace_durably(tmp, path)
         return path
+
+
+def _read_columns(path: Path, columns: list[str]) -> pl.DataFrame:
+    """Those of `columns` a Delta table has, its current version, read by polars."""
+    scan = pl.scan_delta(str(path))
+    names = scan.collect_schema().names()
+    return scan.select([c for c in columns if c in names]).collect()

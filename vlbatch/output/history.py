@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,7 +122,8 @@ class History:
                    HeldKeys.of(held, todo.select(KEY).iter_rows()))
 
 
-def current_rows(batches: Iterator[pa.RecordBatch], legacy: bool = False) -> pl.DataFrame:
+def current_rows(batches: Iterable[pa.RecordBatch | pl.DataFrame],
+                 legacy: bool = False) -> pl.DataFrame:
     """The results table's current rows (the columns judging needs). Parts of the layout
     before tables (legacy) may hold several rows a key: the newest decides (the latest
     `finished_at`; a row without one is newer than every row before it)."""
@@ -131,7 +132,7 @@ def current_rows(batches: Iterator[pa.RecordBatch], legacy: bool = False) -> pl.
               "error_kind": pl.String, "attempt": pl.Int64, "error": pl.String}
     frames = []
     for batch in batches:
-        frame = pl.from_arrow(batch)
+        frame = batch if isinstance(batch, pl.DataFrame) else pl.from_arrow(batch)
         if not isinstance(frame, pl.DataFrame):
             continue
         frames.append(frame.with_columns(

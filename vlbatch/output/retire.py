@@ -29,12 +29,11 @@ def stale_pages(tables: Iterable[Path], expected: pa.Table) -> pa.Table:
         table = open_table(path, check_files=False)
         if table is None:
             continue
-        held.append(pl.from_arrow(table.to_pyarrow_dataset().to_table(columns=["source", "page"]))
-                    .unique())
+        held.append(pl.scan_delta(str(path)).select("source", "page").unique().collect())
     if not held:
         return KEY.empty_table()
-    found = pl.concat(held).unique().join(want, on=["source", "page"], how="anti",
-                                          nulls_equal=True)
+    found = (pl.concat([h.cast({"source": pl.String, "page": pl.Int32}) for h in held]).unique()
+             .join(want, on=["source", "page"], how="anti", nulls_equal=True))
     return found.to_arrow().cast(KEY)
 
 

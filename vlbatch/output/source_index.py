@@ -1,7 +1,7 @@
 """source_index: what the output folder's last run learned about each input file, so that a
 night stats the files the globs match and hashes and probes only the new and changed ones.
 
-`OUTPUT/_sources/index.parquet`, one row per input file (absolute path): its stat signature
+`OUTPUT/_sources/index-v1.parquet` (the format's version in its name), one row per input file (absolute path): its stat signature
 (size, mtime_ns, ctime_ns, inode, device), its SHA-256, when that hash was taken, and its
 probe (kind, page sizes, or the error that stopped it) under the probe settings named in
 the row. The file is replaced whole and atomically (written beside, fsynced, renamed), so a
@@ -36,44 +36,46 @@ INDEX_SCHEMA = pa.schema([
     ("probe_error", pa.string()),  # the whole file failed to probe (a permanent reason)
     ("pages", pa.list_(PAGE)),
 ])
-FORMAT_VERSION = "1"
 
 
 def index_path(output_root: Path) -> Path:
-    return Path(output_root) / "_sources" / "index.parquet"
+    return Path(output_root) / "_sources" / "index-v1.parquet"
 
 
-def read_index(output_root: Path) -> pa.Table:
-    """The index, or an empty one where there is none or it cannot be read (said)."""
-    import pyarrow.parquet as pq
+def read_index_frame(output_root: Path):
+    """The index as a polars frame (read by polars: a fraction of pyarrow's reader's
+    memory), or an empty one where there is none or it cannot be read (said)."""
+    import polars as pl
 
+    empty = pl.from_arrow(INDEX_SCHEMA.empty_table())
     path = index_path(output_root)
     if not path.exists():
-        return INDEX_SCHEMA.empty_table()
+        return empty
     try:
-        table = pq.read_table(path)
-        meta = table.schema.metadata or {}
-        if meta.get(b"vlbatch.source_index") != FORMAT_VERSION.encode():
-            raise ValueError("written by another version of vlbatch")
-        return table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+        frame = pl.read_parquet(path, columns=INDEX_SCHEMA.names)
+        return frame.cast(dict(empty.schema))
     except Exception as e:  # noqa: BLE001 - a cache: rebuilt, whatever broke it
         log.warning("the source index %s cannot be read (%s): every input is hashed again",
                     path, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return INDEX_SCHEMA.empty_table()
+        return empty
 
 
-def write_index(output_root: Path, table: pa.Table) -> Path:
-    """Replaces the index whole, atomically and durably."""
-    import pyarrow.parquet as pq
+def read_index(output_root: Path) -> pa.Table:
+    return read_index_frame(output_root).to_arrow().cast(INDEX_SCHEMA)
+
+
+def write_index(output_root: Path, table) -> Path:
+    """Replaces the index (a polars frame or an Arrow table) whole, atomically and
+    durably."""
+    import polars as pl
 
     from vlbatch.output.folder import fsync_folder
 
     path = index_path(output_root)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    table = table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
-    table = table.replace_schema_metadata({"vlbatch.source_index": FORMAT_VERSION})
-    pq.write_table(table, tmp, compression="zstd")
+    frame = table if isinstance(table, pl.DataFrame) else pl.from_arrow(table)
+    frame.select(INDEX_SCHEMA.names).write_parquet(tmp, compression="zstd")
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

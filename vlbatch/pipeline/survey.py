@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job
-from vlbatch.output.source_index import INDEX_SCHEMA, PAGE, read_index
+from vlbatch.output.source_index import INDEX_SCHEMA, PAGE, read_index_frame
 from vlbatch.pipeline import ingest
 from vlbatch.pipeline.discover import Source, file_sha256, match_inputs
 from vlbatch.pipeline.failures import error_kind
@@ -68,7 +68,7 @@ class Changes:
 class Survey:
     files: pl.DataFrame  # one row per input, in input order (FILE_COLUMNS)
     changes: Changes
-    index: pa.Table  # the index as this night leaves it
+    index: pl.DataFrame  # the index as this night leaves it
     index_changed: bool
 
     def source(self, row: dict) -> Source:
@@ -82,21 +82,28 @@ def probe_settings(job: Job) -> str:
            f"max_mp={r.max_image_megapixels};v=1"
 
 
+STAT_CHUNK = 20_000  # files stat'ed into Python lists before they become columns
+
+
 def _stat_all(matched: list[tuple[str, str]]) -> pl.DataFrame:
-    columns: dict[str, list] = {k: [] for k in ("shown", "path", *SIGNATURE, "read_error")}
-    for shown, path in matched:
-        columns["shown"].append(shown)
-        columns["path"].append(path)
-        try:
-            st = os.stat(path)
-            values = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, None)
-        except OSError as e:
-            values = (0, 0, 0, 0, 0, f"cannot read file: {e.strerror or e}")
-        for name, value in zip((*SIGNATURE, "read_error"), values):
-            columns[name].append(value)
     schema = {"shown": pl.String, "path": pl.String, **{k: pl.Int64 for k in SIGNATURE},
               "read_error": pl.String}
-    return pl.DataFrame(columns, schema=schema).with_row_index("file_order")
+    chunks = []
+    for start in range(0, len(matched), STAT_CHUNK):
+        columns: dict[str, list] = {k: [] for k in schema}
+        for shown, path in matched[start:start + STAT_CHUNK]:
+            columns["shown"].append(shown)
+            columns["path"].append(path)
+            try:
+                st = os.stat(path)
+                values = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, None)
+            except OSError as e:
+                values = (0, 0, 0, 0, 0, f"cannot read file: {e.strerror or e}")
+            for name, value in zip((*SIGNATURE, "read_error"), values):
+                columns[name].append(value)
+        chunks.append(pl.DataFrame(columns, schema=schema))
+    frame = pl.concat(chunks) if chunks else pl.DataFrame(schema=schema)
+    return frame.with_row_index("file_order")
 
 
 def _to_verify(joined: pl.DataFrame, verify: bool, verify_every: int | None) -> pl.Series:
@@ -121,7 +128,7 @@ def survey(job: Job, output_root, probe: Callable[[list[Source]], list[ingest.Pr
     if not matched:
         raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
     files = _stat_all(matched)
-    index = pl.from_arrow(read_index(output_root))
+    index = read_index_frame(output_root)
     was = index.rename({c: f"{c}_was" for c in index.columns if c != "path"})
     joined = files.join(was, on="path", how="left", maintain_order="left")
     same = pl.all_horizontal([pl.col(c) == pl.col(f"{c}_was") for c in SIGNATURE])
@@ -177,7 +184,7 @@ def survey(job: Job, output_root, probe: Callable[[list[Source]], list[ingest.Pr
     files = joined.select("file_order", "shown", "path", "size", "sha256", "read_error", "kind",
                           "probe_error", "pages")
     kept = joined.filter(pl.col("read_error").is_null())
-    new_index = kept.select(INDEX_SCHEMA.names).to_arrow()
+    new_index = kept.select(INDEX_SCHEMA.names)
     index_changed = bool(changes.hashed or changes.probed or changes.vanished
                          or kept.height != index.height)
     return Survey(files, changes, new_index, index_changed)
