@@ -110,7 +110,9 @@ def main() -> None:
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M"), "pages": len(rows),
         "statements": args.pages, "rerenders": len(copies), "rerenders_found": found,
-        "wrong_merges": wrong, "near_copies": stats.near_copies, "max_pixels": args.max_pixels,
+        "wrong_merges": wrong, "near_copies": stats.near_copies,
+        "pixel_checks": stats.pixel_checks, "comparisons_made": stats.comparisons_made,
+        "comparisons_failed": stats.comparisons_failed, "max_pixels": args.max_pixels,
         "near_duplicates": args.near_duplicates, "seconds": round(seconds, 1),
         "pages_per_s": round(len(rows) / seconds, 1), "pages_per_s_by_tenth": rates,
         "last_over_second_tenth": round(rates[-1] / rates[1], 2) if len(rates) > 1 else None,

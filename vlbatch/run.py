@@ -128,7 +128,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                     write_index(output.root, survey.index)
                 plan = scope.make_plan(job, survey.files, output.current_results(), limit,
                                        retry_errors)
-                lap("plan_s")
+                lap("todo_s")
                 sink.history = plan.history
                 if plan.todo:  # which of the keys to do the pages and fields tables hold
                     pages = plan.todo_keys.select("source", "page")

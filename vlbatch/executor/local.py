@@ -178,8 +178,12 @@ class LocalExecutor:
                     log.debug("closing the engine: %s", e)
             for thread in threads:
                 thread.join(timeout=10)
+            dedupe = router.deduper
+            sink.stats.pixel_checks = dedupe.pixel_checks
+            sink.stats.comparisons_made = dedupe.comparisons.made
+            sink.stats.comparisons_failed = dedupe.comparisons.failed
             if not any(thread.is_alive() for thread in threads):  # else the route thread may still read it
-                router.deduper.close()
+                dedupe.close()
 
     @staticmethod
     def _keep_finished(events: queue.Queue, sink: RunSink) -> None:

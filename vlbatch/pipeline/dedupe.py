@@ -16,6 +16,7 @@ Comparison images are made only for the pages a pixel check needs (comparison.py
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Literal
 
 from cachetools import LRUCache
@@ -26,6 +27,7 @@ from vlbatch.pipeline.ingest import CompareSource
 from vlbatch.pipeline.pixelcheck import same_page, words
 
 BANDS = 16  # pigeonhole: distance < 16 means at least one 16-bit band is equal
+log = logging.getLogger("vlbatch")
 MAX_PIXEL_CHECKS = 4  # a page costs at most this many pixel checks
 THUMB_MAX_PEAK = 24  # levels (0-255): a thumbnail cell further apart rules a candidate out
 
@@ -169,19 +171,24 @@ class Deduper:
 
     def _near_copy_of(self, page, layer: str | None) -> str | None:
         """The nearest earlier page that the pixel check confirms as the same, if any."""
-        image = None
+        image, outcomes = None, []
         for candidate in self.candidates(page, layer):
             other = self._view(candidate.content_hash)
             if other is None:
+                outcomes.append((candidate.content_hash[:12], "no view"))
                 continue
             if image is None:
                 image = self._comparison(page)
                 if image is None:  # its own cannot be made: no merge
+                    log.debug("dedupe: no comparison image of %s", page.content_hash[:12])
                     return None
             self.pixel_checks += 1
             if same_page(image, other[0], page.text_layer, other[1], self.settings,
                          page.drawings, other[2]):
                 return candidate.content_hash
+            outcomes.append((candidate.content_hash[:12], "pixel check"))
+        if outcomes:
+            log.debug("dedupe: %s not merged: %s", page.content_hash[:12], outcomes)
         return None
 
     def _register(self, page, layer: str | None, index: bool = True) -> None:

@@ -51,6 +51,9 @@ class RunStats:
     # pages
     exact_copies: int = 0  # pages with the same pixels as an earlier page of this run
     near_copies: int = 0  # pages merged with a confirmed near-copy
+    pixel_checks: int = 0  # the dedupe's pixel checks (at most 4 a page)
+    comparisons_made: int = 0  # comparison images made on demand for them
+    comparisons_failed: int = 0  # ... that could not be made (file changed, timeout): no merge
     pages_from_feature_cache: int = 0  # not rendered: read from the feature cache
     cache_corrupt: int = 0  # cache entries that did not decode (dropped, recomputed)
     rows_ok: int = 0
