@@ -4,6 +4,8 @@ pages from the feature cache, a damaged entry is rendered again."""
 
 from __future__ import annotations
 
+import pytest
+
 import io
 import json
 from pathlib import Path
@@ -601,3 +603,37 @@ def test_a_comparison_that_runs_past_the_page_limit_is_no_merge(tmp_path):
         comparisons = Comparisons(small, pool=pool)
         assert comparisons(page.compare_source, page.content_hash) is None
         assert comparisons.failed == 1
+
+
+@pytest.mark.parametrize("hot_pages", [4096, 64])
+def test_candidates_tied_on_the_peak_are_ranked_by_the_mean_in_memory_and_spilled(hot_pages):
+    """On an archive of one template thousands of pages tie on the largest thumbnail cell
+    difference (rendering noise); the copy's original, nearest on the mean, is kept among
+    the few candidates however many pages tie before it."""
+    import hashlib
+
+    import numpy as np
+
+    from vlbatch.pipeline.hashindex import PageHashIndex
+
+    rng = np.random.RandomState(3)
+    query = rng.randint(40, 200, 4096).astype(np.int16)
+    index = PageHashIndex(hot_pages=hot_pages)
+    phash = "ab" * 32
+    for i in range(300):  # peak 14 in one cell, and a mean of about 3 elsewhere
+        other = query + rng.choice([-3, 3], 4096)
+        other[i % 4096] = query[i % 4096] + 14
+        index.add(hashlib.sha256(b"%d" % i).hexdigest(), phash, None,
+                  other.astype(np.uint8).tobytes())
+    original = query.copy()
+    original[7] += 14  # the same peak, nearly no difference elsewhere
+    index.add(hashlib.sha256(b"original").hexdigest(), phash, None,
+              original.astype(np.uint8).tobytes())
+    for i in range(300, 400):  # and more tied pages after it
+        other = query + rng.choice([-3, 3], 4096)
+        other[0] = query[0] + 14
+        index.add(hashlib.sha256(b"%d" % i).hexdigest(), phash, None,
+                  other.astype(np.uint8).tobytes())
+    found = index.near(phash, 4, None, query.astype(np.uint8).tobytes(), keep=4)
+    assert found[0].content_hash == hashlib.sha256(b"original").hexdigest()
+    assert [c.thumb_peak for c in found] == [14] * 4

@@ -212,10 +212,11 @@ def rank(content: list[bytes], thumbs: np.ndarray, thumb: bytes, keep: int) -> l
     diff = np.maximum(thumbs, query)
     diff -= np.minimum(thumbs, query)  # |a - b| in uint8
     peaks = diff.max(axis=1)
-    best = np.argsort(peaks, kind="stable")[:keep]
-    means = diff[best].mean(axis=1)
-    order = sorted(range(len(best)), key=lambda i: (int(peaks[best[i]]), float(means[i])))
-    return [Candidate(content[best[i]].hex(), float(means[i]), int(peaks[best[i]])) for i in order]
+    means = diff.mean(axis=1, dtype=np.float32)
+    # both keys over every candidate: on an archive of one template thousands of pages tie
+    # on the peak (rendering noise), and the mean is what tells the copy's original apart
+    best = np.lexsort((np.arange(len(peaks)), means, peaks))[:keep]
+    return [Candidate(content[i].hex(), float(means[i]), int(peaks[i])) for i in best]
 
 
 class PageHashIndex:
