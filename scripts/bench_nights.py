@@ -12,7 +12,7 @@ Prints each night's wall time (process start to exit), peak RSS of its process t
 the engine started, the rows generated, and what the night saw change (the manifest's
 `inputs`).
 
-    python scripts/bench_nights.py [--files 10000] [--work DIR]
+    python scripts/bench_nights.py [--files 10000] [--work DIR] [--dpi 100] [--max-pixels 262144]
 """
 
 from __future__ import annotations
@@ -137,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--files", type=int, default=10000)
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlbatch-nights"))
+    parser.add_argument("--dpi", type=int, default=100)
+    parser.add_argument("--max-pixels", type=int, default=256 * 32 * 32)
     parser.add_argument("--night", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.night:
@@ -157,7 +159,8 @@ def main() -> None:
         os.link(path, live / path.name)
     job = {"name": "nights", "inputs": ["live/*.pdf"], "output": "out", "cache": "cache",
            "model": "stand-in", "tasks": [{"name": "a", "prompt": "Read this page."}],
-           "render": {"dpi": 100, "max_pixels": 256 * 32 * 32}}
+           "render": {"dpi": args.dpi, "max_pixels": args.max_pixels,
+                      "min_pixels": min(args.max_pixels, 64 * 32 * 32)}}
     (work / "job.yaml").write_text(yaml.safe_dump(job))
     rng = random.Random(0)
     share = max(1, args.files // 100)
@@ -181,6 +184,7 @@ def main() -> None:
         n["of_first"] = round(n["wall_s"] / first, 3)
         n["ms_a_file_over_3s"] = round(max(0.0, n["wall_s"] - 3) * 1000 / args.files, 3)
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "files": args.files,
+                      "dpi": args.dpi, "max_pixels": args.max_pixels,
                       "pdf_kib": round(sum(p.stat().st_size for p in list(docs.glob("*.pdf"))[:100])
                                        / 100 / 1024, 1),
                       "archive_made_s": round(made_s, 1), "nights": nights}, indent=1))
