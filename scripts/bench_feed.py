@@ -28,7 +28,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_memory import InstantEngine, WordCount  # noqa: E402
+from stand_ins import InstantEngine, WordCount  # noqa: E402
 
 from vlbatch.job import load_job  # noqa: E402
 from vlbatch.engine.loop import EngineLoop  # noqa: E402

@@ -12,7 +12,6 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,27 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_ingest import PeakRss  # noqa: E402
 
-from vlbatch.engine.base import Completion, Request  # noqa: E402
+from stand_ins import InstantEngine, WordCount  # noqa: E402
 from vlbatch.job import load_job  # noqa: E402
 from vlbatch.run import run_job  # noqa: E402
-
-
-class InstantEngine:
-    """Answers every request at once with 200 characters (the engine is not measured)."""
-
-    def generate(self, feed: Iterator[Request | None]) -> Iterator[Completion]:
-        for request in feed:
-            if request is not None:
-                yield Completion(request.request_id, "x" * 200, None, 100, 50)
-
-    def close(self) -> None:
-        pass
-
-
-class WordCount:
-    @staticmethod
-    def text_tokens(text: str) -> int:
-        return len(text.split())
 
 
 def make_images(folder: Path, n: int) -> None:

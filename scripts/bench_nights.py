@@ -124,7 +124,7 @@ def run_one_night(work: Path) -> None:
     """In the child: what `vlbatch run job.yaml` does, with the stand-in engine."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_memory import InstantEngine, WordCount
+    from stand_ins import InstantEngine, WordCount
 
     from vlbatch.job import load_job
     from vlbatch.run import run_job

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import dedupe_set  # noqa: E402
 from bench_ingest import PeakRss  # noqa: E402
-from bench_memory import InstantEngine, WordCount  # noqa: E402
+from stand_ins import InstantEngine, WordCount  # noqa: E402
 
 from vlbatch.job import load_job  # noqa: E402
 from vlbatch.run import run_job  # noqa: E402

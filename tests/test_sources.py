@@ -204,3 +204,42 @@ def test_plan_costs_a_night_and_leaves_the_index_alone(archive):
     plan = plan_job(load_job(night.job))
     assert plan.inputs_matched == 5 and plan.pages_to_do == 1 and plan.pages_already_done == 4
     assert index_path(out).stat().st_mtime_ns == written
+
+
+def test_a_file_name_that_is_not_utf8_is_an_error_row_and_the_night_goes_on(archive):
+    docs, night, out = archive
+    bad = os.fsdecode(bytes(docs) + b"/scan\xff.png")
+    image(Path(bad), 5)
+    age(Path(bad))
+    stats, engine, inputs = night()
+    assert len(engine.requests) == 4 and inputs["counts"]["unreadable"] == 1
+    results = pl.read_delta(str(out / "results"))
+    failed = results.filter(pl.col("status") == "error")
+    assert failed["source"].to_list() == [str(docs) + "/scan\\xff.png"]
+    assert "not valid UTF-8" in failed["error"][0]
+    assert results.filter(pl.col("status") == "ok").height == 4
+    _, engine, inputs = night()  # the next night: the same error row, nothing generated
+    assert engine.requests == [] and inputs["counts"]["unreadable"] == 1
+
+
+def test_the_index_schema_in_polars_types_is_the_arrow_schema():
+    from vlbatch.output.source_index import INDEX_SCHEMA, index_polars_schema
+
+    assert pl.from_arrow(INDEX_SCHEMA.empty_table()).schema == pl.Schema(index_polars_schema())
+
+
+def test_matched_files_in_columns_are_the_matched_inputs(tmp_path):
+    from vlbatch.pipeline.discover import match_inputs
+    from vlbatch.pipeline.survey import stat_inputs
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("z.png", "a/y.png", "a/b/x.png", "a/w.txt"):
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    (tmp_path / "link.png").symlink_to(tmp_path / "z.png")
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "gone.png")
+    (tmp_path / "dir.png").mkdir()
+    patterns = ["**/*.png", str(tmp_path / "z.png"), "a/*"]
+    frame = stat_inputs(patterns, tmp_path)
+    assert list(zip(frame["shown"], frame["path"])) == match_inputs(patterns, tmp_path)
+    assert frame["shown"].to_list() == ["a/b/x.png", "a/w.txt", "a/y.png", "link.png", "z.png"]
+    assert frame["size"].to_list() == [9, 7, 7, 5, 5] and frame["read_error"].null_count() == 5

@@ -38,6 +38,20 @@ INDEX_SCHEMA = pa.schema([
 ])
 
 
+def index_polars_schema() -> dict:
+    """INDEX_SCHEMA in polars' types, written out: turning an Arrow schema into a frame
+    (`empty_table`, `pa.array`) imports pandas (47 MiB of a night's memory) to check its
+    input; tests/test_sources.py checks the two schemas agree."""
+    import polars as pl
+
+    page = pl.Struct({"page": pl.Int32, "width": pl.Int32, "height": pl.Int32,
+                      "error": pl.String})
+    return {"path": pl.String, "size": pl.Int64, "mtime_ns": pl.Int64, "ctime_ns": pl.Int64,
+            "inode": pl.Int64, "device": pl.Int64, "sha256": pl.String,
+            "hashed_at_ns": pl.Int64, "probe_settings": pl.String, "kind": pl.String,
+            "probe_error": pl.String, "pages": pl.List(page)}
+
+
 def index_path(output_root: Path) -> Path:
     return Path(output_root) / "_sources" / "index-v1.parquet"
 
@@ -47,7 +61,7 @@ def read_index_frame(output_root: Path):
     memory), or an empty one where there is none or it cannot be read (said)."""
     import polars as pl
 
-    empty = pl.from_arrow(INDEX_SCHEMA.empty_table())
+    empty = pl.DataFrame(schema=index_polars_schema())
     path = index_path(output_root)
     if not path.exists():
         return empty

@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,22 +25,34 @@ def file_sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def iter_matches(patterns: list[str], base_dir: Path) -> Iterator[tuple[str, str, os.stat_result]]:
+    """(path as matched, absolute path normalised, its stat) for each regular file (or link
+    to one) each glob matches, in glob order, one stat a file; a path two globs match comes
+    twice (the callers keep the first)."""
+    for pattern in patterns:
+        absolute_pattern = os.path.isabs(pattern)
+        matches = glob.iglob(pattern, recursive=True) if absolute_pattern else \
+            glob.iglob(pattern, root_dir=base_dir, recursive=True)
+        for shown in matches:
+            absolute = shown if absolute_pattern else os.path.join(base_dir, shown)
+            try:
+                st = os.stat(absolute)
+            except OSError:  # a dangling link, or gone since the folder was listed
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield shown, os.path.normpath(os.path.abspath(absolute)), st
+
+
 def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:
     """(path as matched, absolute path) for every file the globs match, sorted, once each.
 
     Once each by absolute path, symlinks not resolved: a link and the file it points to
     are two inputs with rows of their own (their pages are exact copies, so the second is
-    copied from the first, not generated again); two globs matching one path give it once."""
+    copied from the first, not generated again); two globs matching one path give it once.
+    (survey.stat_inputs is the same in columns, with the stat.)"""
     found: dict[str, str] = {}
-    for pattern in patterns:
-        if os.path.isabs(pattern):
-            matches = [(m, m) for m in glob.glob(pattern, recursive=True)]
-        else:
-            matches = [(m, str(base_dir / m))
-                       for m in glob.glob(pattern, root_dir=base_dir, recursive=True)]
-        for shown, absolute in matches:
-            if os.path.isfile(absolute):
-                found.setdefault(os.path.normpath(os.path.abspath(absolute)), shown)
+    for shown, absolute, _ in iter_matches(patterns, base_dir):
+        found.setdefault(absolute, shown)
     return sorted(((shown, real) for real, shown in found.items()), key=lambda p: p[0])
 
 

@@ -24,13 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import polars as pl
-import pyarrow as pa
 
 from vlbatch.errors import JobCannotRunError
 from vlbatch.job import Job
-from vlbatch.output.source_index import INDEX_SCHEMA, PAGE, read_index_frame
+from vlbatch.output.source_index import INDEX_SCHEMA, index_polars_schema, read_index_frame
 from vlbatch.pipeline import ingest
-from vlbatch.pipeline.discover import Source, file_sha256, match_inputs
+from vlbatch.pipeline.discover import Source, file_sha256, iter_matches
 from vlbatch.pipeline.failures import error_kind
 
 log = logging.getLogger("vlbatch")
@@ -82,28 +81,49 @@ def probe_settings(job: Job) -> str:
            f"max_mp={r.max_image_megapixels};v=1"
 
 
-STAT_CHUNK = 20_000  # files stat'ed into Python lists before they become columns
+STAT_CHUNK = 20_000  # files held as Python values before they become columns
 
 
-def _stat_all(matched: list[tuple[str, str]]) -> pl.DataFrame:
+def stat_inputs(patterns: list[str], base_dir) -> pl.DataFrame:
+    """Every file the globs match (discover.match_inputs: sorted by the path as matched,
+    once each by absolute path) with its stat signature, built in columns a chunk at a
+    time: 100,000 paths never sit in Python lists. A file whose name is not valid UTF-8
+    (the tables' paths are text) is an input that cannot be read, shown escaped."""
     schema = {"shown": pl.String, "path": pl.String, **{k: pl.Int64 for k in SIGNATURE},
               "read_error": pl.String}
-    chunks = []
-    for start in range(0, len(matched), STAT_CHUNK):
-        columns: dict[str, list] = {k: [] for k in schema}
-        for shown, path in matched[start:start + STAT_CHUNK]:
-            columns["shown"].append(shown)
-            columns["path"].append(path)
-            try:
-                st = os.stat(path)
-                values = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, None)
-            except OSError as e:
-                values = (0, 0, 0, 0, 0, f"cannot read file: {e.strerror or e}")
-            for name, value in zip((*SIGNATURE, "read_error"), values):
-                columns[name].append(value)
+    chunks, columns = [], {k: [] for k in schema}
+
+    def flush() -> None:
         chunks.append(pl.DataFrame(columns, schema=schema))
-    frame = pl.concat(chunks) if chunks else pl.DataFrame(schema=schema)
-    return frame.with_row_index("file_order")
+        for values in columns.values():
+            values.clear()
+
+    for shown, path, st in iter_matches(patterns, base_dir):
+        values = (shown, path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
+                  None)
+        if not (path.isascii() and shown.isascii()) and not _is_text(path + shown):
+            values = (_escaped(shown), _escaped(path), 0, 0, 0, 0, 0,
+                      "cannot read file: its name is not valid UTF-8 (shown with \\x escapes); "
+                      "rename it")
+        for name, value in zip(schema, values):
+            columns[name].append(value)
+        if len(columns["path"]) >= STAT_CHUNK:
+            flush()
+    flush()
+    return (pl.concat(chunks).unique("path", keep="first", maintain_order=True)
+            .sort("shown", maintain_order=True).with_row_index("file_order"))
+
+
+def _is_text(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # os.fsdecode's surrogate escapes of undecodable bytes
+        return False
+
+
+def _escaped(name: str) -> str:
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _to_verify(joined: pl.DataFrame, verify: bool, verify_every: int | None) -> pl.Series:
@@ -124,10 +144,9 @@ def survey(job: Job, output_root, probe: Callable[[list[Source]], list[ingest.Pr
            verify: bool = False) -> Survey:
     """Every input file with its hash and probe; `probe` probes the sources given (in the
     render pool: scope.probe_all)."""
-    matched = match_inputs(job.inputs, job.base_dir)
-    if not matched:
+    files = stat_inputs(job.inputs, job.base_dir)
+    if files.is_empty():
         raise JobCannotRunError(f"no inputs matched {job.inputs} (relative to {job.base_dir})")
-    files = _stat_all(matched)
     index = read_index_frame(output_root)
     was = index.rename({c: f"{c}_was" for c in index.columns if c != "path"})
     joined = files.join(was, on="path", how="left", maintain_order="left")
@@ -217,10 +236,10 @@ def _probe_frame(paths: list[str], probes: list[ingest.Probe], settings: str) ->
         passing = error_kind(p.error) == "transient" or any(
             error_kind(s.error) == "transient" for s in p.pages)
         rows["probe_settings_new"].append(None if passing else settings)
-    schema = pa.schema([("path", pa.string()), ("kind_new", pa.string()),
-                        ("probe_error_new", pa.string()), ("pages_new", pa.list_(PAGE)),
-                        ("probe_settings_new", pa.string())])
-    return pl.from_arrow(pa.Table.from_pydict(rows, schema=schema))
+    page = index_polars_schema()["pages"]
+    return pl.DataFrame(rows, schema={"path": pl.String, "kind_new": pl.String,
+                                      "probe_error_new": pl.String, "pages_new": page,
+                                      "probe_settings_new": pl.String})
 
 
 def files_of(sources: list[Source], probes: list[ingest.Probe]) -> pl.DataFrame:
