@@ -273,7 +273,9 @@ def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, writ
 def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, monkeypatch):
     """Pages processed by vlbatch's input threads, several at once, reach the engine as
     vLLM's own processing builds them (a second engine as vLLM ships it, its processor cache
-    on): the same prompt token ids, pixel values bit for bit, image grid and placeholder.
+    on): the same prompt token ids, pixel values bit for bit, image grid and placeholder,
+    sampling settings; a page's second task built from its first task's processing (the HF
+    processor runs once a page), and the answers the same as vLLM's as shipped.
     Fails too if vLLM renames the internals the threads use (engine/vllm_frontend.py)."""
     from concurrent.futures import Future
 
@@ -304,10 +306,16 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
                     for r in requests]  # all at once: 4 threads work on them together
         mine = [p.result(timeout=120) for p in prepared]
         front.close()
+        # each page's first task processed in full, the other built from it
+        assert (front.shared, front.unshared) == (len(requests) - 12, 0)
         engine = theirs.llm.llm_engine
         reference = [engine.input_processor.process_inputs(
             r.request_id, theirs.vllm_prompt(r), theirs.sampling_params(r.task),
             supported_tasks=engine.get_supported_tasks()) for r in requests]
+        answers_ours = {c.request_id: c.text for c in ours.generate(iter(requests))}
+        theirs.llm.reset_mm_cache()  # the reference's processing filled it: the engine has none
+        answers_theirs = {c.request_id: c.text for c in theirs.generate(iter(requests))}
+        assert answers_ours == answers_theirs and all(answers_ours.values())
         # an input thread that fails (a library's race) costs time, not the answer: the
         # request is processed again on the engine thread
         prepare = InputFront.prepare
@@ -334,6 +342,7 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
     assert len(sent) == 12
     for a, b in zip(mine, reference, strict=True):
         assert a.prompt_token_ids == b.prompt_token_ids
+        assert a.sampling_params == b.sampling_params
         assert len(a.mm_features) == len(b.mm_features) == 1
         fa, fb = a.mm_features[0], b.mm_features[0]
         assert fa.mm_position == fb.mm_position and fa.identifier == fb.identifier

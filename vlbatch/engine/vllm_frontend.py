@@ -1,4 +1,4 @@
-"""vLLM's input processing for page requests, in threads of its own.
+"""vLLM's input processing for page requests, in threads of its own, once a page.
 
 vLLM's offline `LLM` runs the model's HF processor (resize, normalise, patchify), hashing
 and the request's assembly on the thread that steps the engine, one request at a time; on
@@ -7,25 +7,50 @@ the same code (`InputProcessor.process_inputs`, which vLLM's own `add_request` c
 hand the stepping thread finished `EngineCoreRequest`s, which `LLMEngine.add_request`
 takes as they are. Torch and the tokenizer release the GIL, so the threads run in parallel.
 
+A page's tasks share one processing: the first task's request is processed in full; each
+other task of the same page (the same image object, next in the feed) is built from it: the
+task's prompt tokenized, the first request's image span (its pad tokens expanded by the
+processor) spliced in where the placeholder stands, and the same processed image, hash and
+placeholder handed to `process_inputs` as a processed multi-modal input
+(`vllm.inputs.engine.mm_input`), which skips the HF processor. The engine then sees the
+same image hash in each, so its encoder cache and prefix cache share the page's image work.
+Where the splice cannot be made safely (the prompt before the image differs, the image span
+is not where the placeholder stands), the request is processed in full instead.
+
 vLLM internals used, present in 0.26 (GPU) and 0.32 (CPU build), checked by
 tests/test_e2e_vllm.py: `LLMEngine.input_processor.process_inputs(request_id, prompt,
-params, supported_tasks=...)`, `LLMEngine.get_supported_tasks()`, and `add_request` taking
-an `EngineCoreRequest`. vLLM's processor cache is off while these threads run (its LRU is
-not made for concurrent use); vlbatch dedupes pages before they reach the engine, and the
-engine's encoder and prefix caches still share a page's image work between its tasks.
+params, supported_tasks=...)` (also with a processed input), `LLMEngine.get_supported_tasks()`,
+`LLMEngine.get_tokenizer()`, `EngineCoreRequest.mm_features` (data, mm_hash, mm_position),
+`vllm.inputs.engine.mm_input`, and `add_request` taking an `EngineCoreRequest`. vLLM's
+processor cache is off while these threads run (its LRU is not made for concurrent use).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+log = logging.getLogger("vlbatch")
+MAX_PLACEHOLDER_TOKENS = 4  # the image's placeholder in the prompt text, before expansion
+
+
+class Unshareable(Exception):
+    """The page's first request cannot stand for another task's (processed in full)."""
 
 
 class InputFront:
-    def __init__(self, llm_engine, threads: int, torch_threads: int):
+    def __init__(self, llm_engine, threads: int, torch_threads: int, share_pages: bool = True):
         self.engine = llm_engine
         self.processor = llm_engine.input_processor
         self.supported_tasks = llm_engine.get_supported_tasks()
+        self.tokenizer = llm_engine.get_tokenizer() if share_pages else None
+        self.share_pages = share_pages
+        self._last: tuple[object, Future, str] | None = None  # image, first request, its text
+        self._lock = threading.Lock()
+        self.shared = 0  # requests built from their page's first request
+        self.unshared = 0  # a page's later requests processed in full (Unshareable)
         # vLLM sets torch's thread count from OMP_NUM_THREADS around each request's
         # processing (vllm/utils/torch_utils.py): the count for these threads. Set after the
         # engine started, so its own processes keep theirs.
@@ -33,9 +58,109 @@ class InputFront:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="vlbatch-frontend")
 
     def prepare(self, request_id: str, prompt: dict, params) -> Future:
-        """The request as vLLM's add_request would build it (a Future)."""
-        return self.pool.submit(self.processor.process_inputs, request_id, prompt, params,
-                                supported_tasks=self.supported_tasks)
+        """The request as vLLM's add_request would build it (a Future). A request for the
+        image of the one before it is built from that one's processing."""
+        image = prompt.get("multi_modal_data", {}).get("image")
+        last = self._last
+        if self.share_pages and image is not None and last is not None and last[0] is image:
+            derived: Future = Future()
+            first_text = last[2]
+            last[1].add_done_callback(lambda first: self._submit_derived(
+                derived, first, first_text, request_id, prompt, params))
+            return derived
+        future = self.pool.submit(self._process, request_id, prompt, params)
+        self._last = (image, future, prompt.get("prompt")) if image is not None else None
+        return future
+
+    def _process(self, request_id: str, prompt, params):
+        return self.processor.process_inputs(request_id, prompt, params,
+                                             supported_tasks=self.supported_tasks)
+
+    def _submit_derived(self, derived: Future, first: Future, first_text, request_id, prompt,
+                        params):
+        try:
+            inner = self.pool.submit(self._derive, first, first_text, request_id, prompt, params)
+        except RuntimeError as e:  # the front was closed meanwhile
+            derived.set_exception(e)
+            return
+        inner.add_done_callback(lambda f: _copy_outcome(f, derived))
+
+    def _derive(self, first: Future, first_text, request_id: str, prompt: dict, params):
+        if first.exception() is None and isinstance(first_text, str):
+            try:
+                shared = shared_input(first.result(), first_text, prompt["prompt"],
+                                      self.tokenizer)
+            except Unshareable as e:
+                with self._lock:
+                    self.unshared += 1
+                    said = self.unshared == 1
+                if said:
+                    log.debug("a page's request processed in full, not shared: %s", e)
+            else:
+                request = self._process(request_id, shared, params)
+                with self._lock:
+                    self.shared += 1
+                return request
+        return self._process(request_id, prompt, params)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
+def shared_input(first, first_text: str, text: str, tokenizer) -> dict:
+    """A processed multi-modal input for `text` (a prompt with the same image placeholder)
+    built from `first`, the EngineCoreRequest of the page's first task (whose prompt was
+    `first_text`): the text tokenized,
+    its placeholder tokens replaced by the image span `first`'s processing expanded them to,
+    the same image item, hash and placeholder range. Unshareable where that is not sure to
+    be what vLLM's processing of `text` gives."""
+    from vllm.inputs.engine import mm_input
+
+    features = first.mm_features or []
+    if len(features) != 1 or first.prompt_token_ids is None:
+        raise Unshareable(f"{len(features)} multi-modal items")
+    feature = features[0]
+    if feature.data is None or not feature.mm_hash:
+        raise Unshareable("the first request carries no image data")
+    expanded = list(first.prompt_token_ids)
+    start, length = feature.mm_position.offset, feature.mm_position.length
+    # where the first request's own text and its expansion differ: the placeholder
+    first_ids = tokenizer.encode(first_text, add_special_tokens=False)
+    # (the expansion repeats a placeholder token: the common ends stop at the image span)
+    prefix = min(_common_prefix(first_ids, expanded), start)
+    suffix = min(_common_prefix(first_ids[prefix:][::-1], expanded[prefix:][::-1]),
+                 len(expanded) - start - length)
+    placeholder = first_ids[prefix:len(first_ids) - suffix]
+    replacement = expanded[prefix:len(expanded) - suffix]
+    if not (prefix == start and 0 < len(placeholder) <= MAX_PLACEHOLDER_TOKENS):
+        raise Unshareable("the image span is not where the placeholder stands")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if ids[:prefix] != first_ids[:prefix] or ids[prefix:prefix + len(placeholder)] != placeholder:
+        raise Unshareable("the prompt before the image differs from the first task's")
+    rest = ids[prefix + len(placeholder):]
+    if _contains(rest, placeholder):
+        raise Unshareable("the prompt holds the image placeholder twice")
+    return mm_input(first_ids[:prefix] + replacement + rest, {"image": [feature.data]},
+                    {"image": [feature.mm_hash]}, {"image": [feature.mm_position]})
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
