@@ -6,10 +6,13 @@
 #   bash scripts/gpu_frontend.sh vlbatch        vlbatch W1 with input threads (the default)
 #   bash scripts/gpu_frontend.sh nothreads      vlbatch W1 without (frontend_threads 0)
 #   bash scripts/gpu_frontend.sh w3             vlbatch W3 (4 tasks a page)
+#   bash scripts/gpu_frontend.sh w1-fp32        vlbatch W1, pixels as the processor makes them
+#                                               (engine.pixels_in_model_dtype false)
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm (vlbatch
 #                                               sets VLLM_WORKER_MULTIPROC_METHOD=spawn for it)
 #   bash scripts/gpu_frontend.sh raw2000        2,000 W1 pages: set-up and raw as shipped
+#   bash scripts/gpu_frontend.sh setup2000      2,000 W1 pages: set-up only
 #   bash scripts/gpu_frontend.sh vlbatch2000    vlbatch on the same 2,000 pages
 #   bash scripts/gpu_frontend.sh shm2000        the same with mm_tensor_ipc torch_shm
 #   bash scripts/gpu_frontend.sh inflight2000   the same with max_in_flight 1024
@@ -32,10 +35,12 @@ case $STAGE in
     python3 scripts/processor_time.py "$MODEL" "$(ls /tmp/w1-pages/*.pdf | head -1)" | tee "$OUT/processor.txt"
     job /tmp/w1 1; job /tmp/w1-nothreads 1 frontend_threads=0; job /tmp/w3 4
     job /tmp/w1-shm 1 mm_tensor_ipc=torch_shm
+    job /tmp/w1-fp32 1 pixels_in_model_dtype=false
     step raw-vllm-defaults 220 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 180 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
   w3) step vlbatch-w3 300 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
+  w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
   raw-again) step raw-vllm-defaults-2 160 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
@@ -45,6 +50,9 @@ case $STAGE in
     PAGES_DIR=/tmp/w1-2000-pages job /tmp/w1-2000-shm 1 mm_tensor_ipc=torch_shm
     PAGES_DIR=/tmp/w1-2000-pages job /tmp/w1-2000-if1024 1 max_in_flight=1024
     step raw-vllm-defaults-2000 560 $B raw --job /tmp/w1-2000/job.yaml --vllm-defaults --warmup 16 ;;
+  setup2000)
+    python3 scripts/make_pages.py /tmp/w1-2000-pages 2000 10 > /dev/null
+    PAGES_DIR=/tmp/w1-2000-pages job /tmp/w1-2000 1 ;;
   vlbatch2000) step vlbatch-w1-2000 560 $B vlbatch --job /tmp/w1-2000/job.yaml --fresh ;;
   shm2000) step vlbatch-w1-2000-shm 560 $B vlbatch --job /tmp/w1-2000-shm/job.yaml --fresh ;;
   inflight2000) step vlbatch-w1-2000-if1024 560 $B vlbatch --job /tmp/w1-2000-if1024/job.yaml --fresh ;;

@@ -369,3 +369,81 @@ def test_a_pdf_only_pdfium_reads_gets_its_answers_and_the_pages_table_names_the_
     assert drawn["error"][0] is None and "Drawn by PDFium" in drawn["text_layer"][0]
     results = pl.read_delta(str(tmp_path / "out" / "results"))
     assert results.filter(pl.col("matched_path") == "docs/count0.pdf")["page"].to_list() == [1, 1]
+
+
+def test_pixels_in_the_model_dtype_leave_a_bfloat16_models_answers_unchanged(tiny_model, write_job):
+    """With a bfloat16 model the input threads hand the engine float32 pixel values in
+    bfloat16 (half the bytes), the cast the model makes itself, and other pixels (0.32's
+    uint8) as they are: answers equal those of vLLM as shipped."""
+    import torch
+    from PIL import Image
+
+    from vlbatch.engine.base import Request
+    from vlbatch.engine.vllm_engine import VllmEngine
+    from vlbatch.engine.vllm_frontend import InputFront
+    from vlbatch.pipeline.imaging import fit_to_budget
+
+    fields = job_fields(tiny_model, ["*.pdf"])
+    fields["engine"]["dtype"] = "bfloat16"
+    threaded = load_job(write_job(fields, "bf16-threads.yaml"))
+    fields["engine"]["frontend_threads"] = 0
+    plain = load_job(write_job(fields, "bf16-plain.yaml"))
+    ours, theirs = VllmEngine(threaded), VllmEngine(plain)
+    try:
+        requests = []
+        for i, (w, h) in enumerate([(1240, 1754), (640, 300), (300, 900)]):
+            image = fit_to_budget(Image.effect_noise((w, h), 60 + i).convert("RGB"),
+                                  threaded.render.min_pixels, threaded.render.max_pixels)
+            requests += [Request(f"{i}-{t.name}", image, t.render_prompt(text_layer=f"p{i}"), t)
+                         for t in threaded.tasks]
+        front = InputFront(ours.llm.llm_engine, 2, 1)
+        mine = front.prepare(requests[0].request_id, ours.vllm_prompt(requests[0]),
+                             ours.sampling_params(requests[0].task)).result(timeout=120)
+        front.close()
+        engine = theirs.llm.llm_engine
+        reference = engine.input_processor.process_inputs(
+            requests[0].request_id, theirs.vllm_prompt(requests[0]),
+            theirs.sampling_params(requests[0].task), supported_tasks=engine.get_supported_tasks())
+        theirs.llm.reset_mm_cache()
+        pixels = mine.mm_features[0].data["pixel_values"].data
+        expected = reference.mm_features[0].data["pixel_values"].data
+        if expected.dtype == torch.float32:  # vLLM 0.26: the processor normalises to float32
+            assert pixels.dtype == torch.bfloat16
+            assert torch.equal(pixels, expected.to(torch.bfloat16))
+        else:  # vLLM 0.32 hands the model uint8 pixels (it normalises them itself): as they are
+            assert expected.dtype == torch.uint8 and torch.equal(pixels, expected)
+        answers_ours = {c.request_id: c.text for c in ours.generate(iter(requests))}
+        answers_theirs = {c.request_id: c.text for c in theirs.generate(iter(requests))}
+        assert answers_ours == answers_theirs and all(answers_ours.values())
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_pixels_in_the_model_dtype_converts_float32_pixels_only():
+    import torch
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    from vlbatch.engine.vllm_frontend import pixels_in
+
+    reference = _processed_item()
+    item = pixels_in(reference, torch.bfloat16)
+    assert isinstance(item, MultiModalKwargsItem) and item is not reference
+    assert item["pixel_values"].data.dtype == torch.bfloat16
+    assert torch.equal(item["pixel_values"].data, reference["pixel_values"].data.to(torch.bfloat16))
+    assert item["image_grid_thw"] is reference["image_grid_thw"]
+    assert reference["pixel_values"].data.dtype == torch.float32  # left as it was
+    as_uint8 = pixels_in(pixels_in(reference, torch.uint8), torch.bfloat16)
+    assert as_uint8["pixel_values"].data.dtype == torch.uint8  # only float32 is converted
+
+
+def _processed_item():
+    """An image item as vLLM 0.26's processor makes it: float32 pixel values and the grid."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
+
+    def elem(data):
+        return MultiModalFieldElem(data=data, field=MultiModalSharedField(batch_size=1))
+
+    return MultiModalKwargsItem({"pixel_values": elem(torch.randn(64, 1536)),
+                                 "image_grid_thw": elem(torch.tensor([1, 8, 8]))})

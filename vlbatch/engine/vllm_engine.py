@@ -202,7 +202,8 @@ class VllmEngine:
         this thread adds what is ready to the engine, in order, and steps it."""
         engine = self.llm.llm_engine
         threads = self.job.engine.frontend_threads
-        front = InputFront(engine, threads, self.job.engine.frontend_torch_threads) \
+        front = InputFront(engine, threads, self.job.engine.frontend_torch_threads,
+                           pixels_in_model_dtype=self.job.engine.pixels_in_model_dtype) \
             if threads else None
         in_flight: set[str] = set()
         preparing: deque[tuple[Request, Future]] = deque()
@@ -248,6 +249,10 @@ class VllmEngine:
         finally:
             if front is not None:
                 front.close()
+                if front.shared or front.unshared:
+                    log.info("input threads: %d requests built from their page's first "
+                             "task's processing, %d processed in full", front.shared,
+                             front.unshared)
 
     def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;

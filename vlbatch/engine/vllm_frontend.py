@@ -41,8 +41,11 @@ class Unshareable(Exception):
 
 
 class InputFront:
-    def __init__(self, llm_engine, threads: int, torch_threads: int, share_pages: bool = True):
+    def __init__(self, llm_engine, threads: int, torch_threads: int, share_pages: bool = True,
+                 pixels_in_model_dtype: bool = True):
         self.engine = llm_engine
+        self.pixel_dtype = _lower_float(llm_engine.model_config.dtype) \
+            if pixels_in_model_dtype else None
         self.processor = llm_engine.input_processor
         self.supported_tasks = llm_engine.get_supported_tasks()
         self.tokenizer = llm_engine.get_tokenizer() if share_pages else None
@@ -73,8 +76,13 @@ class InputFront:
         return future
 
     def _process(self, request_id: str, prompt, params):
-        return self.processor.process_inputs(request_id, prompt, params,
-                                             supported_tasks=self.supported_tasks)
+        request = self.processor.process_inputs(request_id, prompt, params,
+                                                supported_tasks=self.supported_tasks)
+        if self.pixel_dtype is not None:
+            for feature in request.mm_features or ():
+                if feature.data is not None:
+                    feature.data = pixels_in(feature.data, self.pixel_dtype)
+        return request
 
     def _submit_derived(self, derived: Future, first: Future, first_text, request_id, prompt,
                         params):
@@ -105,6 +113,36 @@ class InputFront:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+
+
+def _lower_float(dtype):
+    """The model's dtype where it is a float narrower than float32 (else None)."""
+    import torch
+
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def pixels_in(item, dtype):
+    """The processed image item with its float32 pixel values in `dtype`: Qwen-VL models cast
+    them to the vision tower's dtype first thing (`pixel_values.type(self.visual.dtype)`),
+    so the values the model computes with are the same, and half the bytes travel to the
+    engine core. The item itself is left as it is (a new one is returned)."""
+    import dataclasses
+
+    import torch
+
+    changed = {}
+    for key in PIXEL_KEYS:
+        elem = item.get(key)
+        if elem is not None and isinstance(elem.data, torch.Tensor) \
+                and elem.data.dtype == torch.float32:
+            changed[key] = dataclasses.replace(elem, data=elem.data.to(dtype))
+    if not changed:
+        return item
+    return type(item)({**item, **changed})
 
 
 def _copy_outcome(source: Future, target: Future) -> None:
