@@ -385,6 +385,7 @@ def test_pixels_in_the_model_dtype_leave_a_bfloat16_models_answers_unchanged(tin
 
     fields = job_fields(tiny_model, ["*.pdf"])
     fields["engine"]["dtype"] = "bfloat16"
+    fields["engine"]["pixels_in_model_dtype"] = True
     threaded = load_job(write_job(fields, "bf16-threads.yaml"))
     fields["engine"]["frontend_threads"] = 0
     plain = load_job(write_job(fields, "bf16-plain.yaml"))
@@ -396,7 +397,7 @@ def test_pixels_in_the_model_dtype_leave_a_bfloat16_models_answers_unchanged(tin
                                   threaded.render.min_pixels, threaded.render.max_pixels)
             requests += [Request(f"{i}-{t.name}", image, t.render_prompt(text_layer=f"p{i}"), t)
                          for t in threaded.tasks]
-        front = InputFront(ours.llm.llm_engine, 2, 1)
+        front = InputFront(ours.llm.llm_engine, 2, 1, pixels_in_model_dtype=True)
         mine = front.prepare(requests[0].request_id, ours.vllm_prompt(requests[0]),
                              ours.sampling_params(requests[0].task)).result(timeout=120)
         front.close()

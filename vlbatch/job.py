@@ -259,11 +259,11 @@ class EngineSettings(_Strict):
     frontend_torch_threads: int = Field(default=2, ge=1, description="Torch threads each of "
                                         "those threads uses (OMP_NUM_THREADS for vLLM's "
                                         "input processing).")
-    pixels_in_model_dtype: bool = Field(default=True, description="The input threads hand "
-                                        "the engine a page's pixel values in the model's dtype "
-                                        "(bfloat16: half the bytes of the processor's float32), "
-                                        "the cast the model makes first itself, so answers are "
-                                        "the same; false: as the processor makes them.")
+    pixels_in_model_dtype: bool = Field(default=False, description="The input threads hand "
+                                        "the engine a page's float32 pixel values in the model's "
+                                        "dtype (bfloat16: half the bytes), the cast Qwen-VL "
+                                        "models make first themselves, so answers are the same; "
+                                        "no gain measured on an H100 (docs/benchmarks.md), so off.")
     mm_tensor_ipc: Literal["direct_rpc", "torch_shm"] | None = Field(default=None, description="vLLM's transport of image "
                                       "tensors to its engine core (e.g. 'torch_shm'); None: "
                                       "vLLM's default.")

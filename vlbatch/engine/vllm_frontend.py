@@ -42,7 +42,7 @@ class Unshareable(Exception):
 
 class InputFront:
     def __init__(self, llm_engine, threads: int, torch_threads: int, share_pages: bool = True,
-                 pixels_in_model_dtype: bool = True):
+                 pixels_in_model_dtype: bool = False):
         self.engine = llm_engine
         self.pixel_dtype = _lower_float(llm_engine.model_config.dtype) \
             if pixels_in_model_dtype else None
