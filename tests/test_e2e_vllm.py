@@ -5,6 +5,7 @@ token count checked against what vLLM reports."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import polars as pl
@@ -270,7 +271,8 @@ def test_hub_id_served_from_the_local_hub_cache_without_network(tiny_model, writ
     assert (df["status"] == "ok").all() and (df["model"] == "acme/tiny-vl").all()
 
 
-def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, monkeypatch):
+def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, monkeypatch,
+                                                        caplog):
     """Pages processed by vlbatch's input threads, several at once, reach the engine as
     vLLM's own processing builds them (a second engine as vLLM ships it, its processor cache
     on): the same prompt token ids, pixel values bit for bit, image grid and placeholder,
@@ -312,7 +314,10 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
         reference = [engine.input_processor.process_inputs(
             r.request_id, theirs.vllm_prompt(r), theirs.sampling_params(r.task),
             supported_tasks=engine.get_supported_tasks()) for r in requests]
-        answers_ours = {c.request_id: c.text for c in ours.generate(iter(requests))}
+        with caplog.at_level(logging.INFO, logger="vlbatch"):
+            answers_ours = {c.request_id: c.text for c in ours.generate(iter(requests))}
+        assert any("input threads: 12 requests built from their page's first" in r.getMessage()
+                   for r in caplog.records)
         theirs.llm.reset_mm_cache()  # the reference's processing filled it: the engine has none
         answers_theirs = {c.request_id: c.text for c in theirs.generate(iter(requests))}
         assert answers_ours == answers_theirs and all(answers_ours.values())

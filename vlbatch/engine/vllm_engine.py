@@ -205,6 +205,7 @@ class VllmEngine:
         front = InputFront(engine, threads, self.job.engine.frontend_torch_threads,
                            pixels_in_model_dtype=self.job.engine.pixels_in_model_dtype) \
             if threads else None
+        self._front = front
         in_flight: set[str] = set()
         preparing: deque[tuple[Request, Future]] = deque()
         exhausted = False
@@ -249,10 +250,16 @@ class VllmEngine:
         finally:
             if front is not None:
                 front.close()
-                if front.shared or front.unshared:
-                    log.info("input threads: %d requests built from their page's first "
-                             "task's processing, %d processed in full", front.shared,
-                             front.unshared)
+                self._say_shared(front)
+
+    def _say_shared(self, front: InputFront) -> None:
+        """Once a front is done (the generator ended, or the engine closes first)."""
+        if front.said:
+            return
+        front.said = True
+        if front.shared or front.unshared:
+            log.info("input threads: %d requests built from their page's first task's "
+                     "processing, %d processed in full", front.shared, front.unshared)
 
     def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
@@ -302,6 +309,9 @@ class VllmEngine:
                           finish_reason=first.finish_reason)
 
     def close(self) -> None:
+        front = getattr(self, "_front", None)
+        if front is not None:
+            self._say_shared(front)
         llm = getattr(self, "llm", None)
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)

@@ -54,6 +54,7 @@ class InputFront:
         self._lock = threading.Lock()
         self.shared = 0  # requests built from their page's first request
         self.unshared = 0  # a page's later requests processed in full (Unshareable)
+        self.said = False  # the counts logged (vllm_engine)
         # vLLM sets torch's thread count from OMP_NUM_THREADS around each request's
         # processing (vllm/utils/torch_utils.py): the count for these threads. Set after the
         # engine started, so its own processes keep theirs.
