@@ -176,7 +176,8 @@ def run_raw(args) -> dict:
     prompts = PromptBuilder(job.model_path())
     t0 = time.monotonic()
     # --vllm-defaults: vLLM as a user writes it (dummy weights aside): one image a prompt,
-    # the pixel budget, the job's max_model_len, vLLM's defaults otherwise; else the arguments vlbatch passes
+    # the pixel budget, the job's max_model_len, vLLM's defaults otherwise; else the
+    # arguments vlbatch passes
     kwargs = ({"model": job.model_path(), "load_format": "dummy", "seed": 0,
                "limit_mm_per_prompt": {"image": 1, "video": 0},
                "mm_processor_kwargs": {"max_pixels": r.max_pixels},

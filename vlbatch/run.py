@@ -115,7 +115,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
         if on_start is not None:
             on_start(stats)
         lap = _Laps(stats.timings)
-        features, plan, survey, changes, status, closing_error = None, None, None, None, "failed", None
+        features, plan, changes, status, closing_error = None, None, None, "failed", None
         reason: str | None = None  # why a run that did not finish stopped (the manifest)
         background = ThreadPoolExecutor(1, thread_name_prefix="vlbatch-load")
         try:
@@ -123,13 +123,14 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             with render_pool(job, default_workers(job.render.workers)) as pool:
                 survey = scope.survey_inputs(job, output.root, pool, verify)
                 lap("discover_s")
-                stats.sources = survey.changes.matched
+                changes = survey.changes
+                stats.sources = changes.matched
                 if survey.index_changed:  # what the hashes and probes learnt outlives a kill
                     write_index(output.root, survey.index)
                 survey.index = None  # written or unchanged: not held while the night plans
                 plan = scope.make_plan(job, survey.files, output.current_results(), limit,
                                        retry_errors)
-                changes, survey = survey.changes, None  # the night's files and index: given back
+                survey = None  # the night's files and index: given back
                 lap("todo_s")
                 sink.history = plan.history
                 if plan.todo:  # which of the keys to do the pages and fields tables hold
@@ -184,7 +185,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             stats.seconds = round(time.monotonic() - started, 2)
             stats.pages_per_s = round(stats.pages_finished / stats.seconds, 3) if stats.seconds else 0.0
             add_cost(job, stats, stats.engine_start_s is not None)
-            manifest = _manifest(job, stats, status, changes or (survey and survey.changes),
+            manifest = _manifest(job, stats, status, changes,
                                  sink.engine_version, limit,
                                  retry_errors)
             manifest.update(reason=reason, timeline=sink.timeline.as_dict(),

@@ -250,16 +250,6 @@ class VllmEngine:
         finally:
             if front is not None:
                 front.close()
-                self._say_shared(front)
-
-    def _say_shared(self, front: InputFront) -> None:
-        """Once a front is done (the generator ended, or the engine closes first)."""
-        if front.said:
-            return
-        front.said = True
-        if front.shared or front.unshared:
-            log.info("input threads: %d requests built from their page's first task's "
-                     "processing, %d processed in full", front.shared, front.unshared)
 
     def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
@@ -310,8 +300,8 @@ class VllmEngine:
 
     def close(self) -> None:
         front = getattr(self, "_front", None)
-        if front is not None:
-            self._say_shared(front)
+        if front is not None:  # the generator may not have ended
+            front.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)

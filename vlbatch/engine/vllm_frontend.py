@@ -41,20 +41,19 @@ class Unshareable(Exception):
 
 
 class InputFront:
-    def __init__(self, llm_engine, threads: int, torch_threads: int, share_pages: bool = True,
+    def __init__(self, llm_engine, threads: int, torch_threads: int,
                  pixels_in_model_dtype: bool = False):
         self.engine = llm_engine
         self.pixel_dtype = _lower_float(llm_engine.model_config.dtype) \
             if pixels_in_model_dtype else None
         self.processor = llm_engine.input_processor
         self.supported_tasks = llm_engine.get_supported_tasks()
-        self.tokenizer = llm_engine.get_tokenizer() if share_pages else None
-        self.share_pages = share_pages
+        self.tokenizer = llm_engine.get_tokenizer()
         self._last: tuple[object, Future, str] | None = None  # image, first request, its text
         self._lock = threading.Lock()
         self.shared = 0  # requests built from their page's first request
         self.unshared = 0  # a page's later requests processed in full (Unshareable)
-        self.said = False  # the counts logged (vllm_engine)
+        self.closed = False
         # vLLM sets torch's thread count from OMP_NUM_THREADS around each request's
         # processing (vllm/utils/torch_utils.py): the count for these threads. Set after the
         # engine started, so its own processes keep theirs.
@@ -66,7 +65,7 @@ class InputFront:
         image of the one before it is built from that one's processing."""
         image = prompt.get("multi_modal_data", {}).get("image")
         last = self._last
-        if self.share_pages and image is not None and last is not None and last[0] is image:
+        if image is not None and last is not None and last[0] is image:
             derived: Future = Future()
             first_text = last[2]
             last[1].add_done_callback(lambda first: self._submit_derived(
@@ -113,7 +112,15 @@ class InputFront:
         return self._process(request_id, prompt, params)
 
     def close(self) -> None:
+        """Stops the threads (what is queued is dropped) and says how many requests were
+        shared; once, whoever calls first (the generator's end or the engine's close)."""
+        if self.closed:
+            return
+        self.closed = True
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.shared or self.unshared:
+            log.info("input threads: %d requests built from their page's first task's "
+                     "processing, %d processed in full", self.shared, self.unshared)
 
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
