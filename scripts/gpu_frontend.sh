@@ -9,6 +9,9 @@
 #   bash scripts/gpu_frontend.sh w1-fp32        vlbatch W1, pixels as the processor makes them
 #                                               (engine.pixels_in_model_dtype false)
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
+#   bash scripts/gpu_frontend.sh raw-w3         raw as shipped on W3 (4 prompts a page, a
+#                                               page's together): vLLM's own W3 rate
+#   bash scripts/gpu_frontend.sh w1-nocompile   vlbatch W1, engine.compile_mm_encoder false
 #   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm (vlbatch
 #                                               sets VLLM_WORKER_MULTIPROC_METHOD=spawn for it)
 #   bash scripts/gpu_frontend.sh raw2000        2,000 W1 pages: set-up and raw as shipped
@@ -36,12 +39,15 @@ case $STAGE in
     job /tmp/w1 1; job /tmp/w1-nothreads 1 frontend_threads=0; job /tmp/w3 4
     job /tmp/w1-shm 1 mm_tensor_ipc=torch_shm
     job /tmp/w1-fp32 1 pixels_in_model_dtype=false
+    job /tmp/w1-nocompile 1 compile_mm_encoder=false
     step raw-vllm-defaults 220 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 180 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
   w3) step vlbatch-w3 300 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
-  raw-again) step raw-vllm-defaults-2 160 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
+  raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
+  w1-nocompile) step vlbatch-w1-nocompile 200 $B vlbatch --job /tmp/w1-nocompile/job.yaml --fresh ;;
+  raw-again) step raw-vllm-defaults-2 380 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
   raw2000)

@@ -116,9 +116,13 @@ def test_engine_settings_reach_vllm_arguments(tmp_path):
     kwargs = engine_kwargs(job)
     assert kwargs["max_num_seqs"] == 64 and kwargs["load_format"] == "dummy"
     assert "max_model_len" not in kwargs  # unset: vLLM's own default
+    # unset: vLLM's own (0.92 in 0.26), not a lower share that leaves less KV cache
+    assert "gpu_memory_utilization" not in kwargs
     assert kwargs["compilation_config"] == {"compile_mm_encoder": True, "cudagraph_mm_encoder": True}
     plain = load_job(write(tmp_path, VALID + "engine:\n  compile_mm_encoder: false\n"))
     assert "compilation_config" not in engine_kwargs(plain)
+    share = load_job(write(tmp_path, VALID + "engine:\n  gpu_memory_utilization: 0.8\n"))
+    assert engine_kwargs(share)["gpu_memory_utilization"] == 0.8
     assert kwargs["mm_processor_kwargs"]["size"]["longest_edge"] == 500000
     assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
     assert job.engine.compile_cache_dir == (tmp_path / "vllm-cache").resolve()

@@ -34,7 +34,7 @@ def engine_kwargs(job: Job) -> dict:
     kwargs = dict(
         model=job.model_path(), seed=e.seed, dtype=e.dtype,
         tensor_parallel_size=e.tensor_parallel_size,
-        gpu_memory_utilization=e.gpu_memory_utilization, load_format=e.load_format,
+        load_format=e.load_format,
         enforce_eager=e.enforce_eager, trust_remote_code=e.trust_remote_code,
         limit_mm_per_prompt={"image": 1, "video": 0},
         use_tqdm_on_load=library_chatter(),  # progress bars with carriage returns in cron logs
@@ -43,6 +43,7 @@ def engine_kwargs(job: Job) -> dict:
                                       "longest_edge": job.render.max_pixels}},
     )
     optional = dict(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
+                    gpu_memory_utilization=e.gpu_memory_utilization,
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     enable_prefix_caching=e.enable_prefix_caching, quantization=e.quantization)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
