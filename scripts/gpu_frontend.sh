@@ -11,6 +11,7 @@
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh raw-w3         raw as shipped on W3 (4 prompts a page, a
 #                                               page's together): vLLM's own W3 rate
+#   bash scripts/gpu_frontend.sh w1-bf16        vlbatch W1, engine.pixels_in_model_dtype true
 #   bash scripts/gpu_frontend.sh w1-nocompile   vlbatch W1, engine.compile_mm_encoder false
 #   bash scripts/gpu_frontend.sh shm            vlbatch with mm_tensor_ipc torch_shm (vlbatch
 #                                               sets VLLM_WORKER_MULTIPROC_METHOD=spawn for it)
@@ -40,12 +41,14 @@ case $STAGE in
     job /tmp/w1-shm 1 mm_tensor_ipc=torch_shm
     job /tmp/w1-fp32 1 pixels_in_model_dtype=false
     job /tmp/w1-nocompile 1 compile_mm_encoder=false
+    job /tmp/w1-bf16 1 pixels_in_model_dtype=true
     step raw-vllm-defaults 220 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 180 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
   w3) step vlbatch-w3 300 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
   raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
+  w1-bf16) step vlbatch-w1-bf16 200 $B vlbatch --job /tmp/w1-bf16/job.yaml --fresh ;;
   w1-nocompile) step vlbatch-w1-nocompile 200 $B vlbatch --job /tmp/w1-nocompile/job.yaml --fresh ;;
   raw-again) step raw-vllm-defaults-2 380 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
