@@ -218,8 +218,8 @@ class EngineSettings(_Strict):
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0, description=
                                                  "Share of GPU memory vLLM may take (weights, "
                                                  "KV cache); None: vLLM's default (0.92 in "
-                                                 "0.26: on an 80 GB card 0.9 leaves 16% less "
-                                                 "KV cache, and W1 ran 11% slower).")
+                                                 "0.26; on an 80 GB card 0.9 left 16% less "
+                                                 "KV cache, docs/benchmarks.md).")
     max_num_seqs: int | None = Field(default=None, ge=1, description="Requests vLLM runs in "
                                      "one step at most; None: vLLM's default.")
     max_num_batched_tokens: int | None = Field(default=None, ge=64, description="Tokens one "
