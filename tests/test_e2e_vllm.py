@@ -318,6 +318,8 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
             answers_ours = {c.request_id: c.text for c in ours.generate(iter(requests))}
         assert any("input threads: 12 requests built from their page's first" in r.getMessage()
                    for r in caplog.records)
+        # a page's later tasks went to the engine core without its pixels (it had them)
+        assert ours._pixels.capacity > 0 and ours._pixels.sent_without == 12
         theirs.llm.reset_mm_cache()  # the reference's processing filled it: the engine has none
         answers_theirs = {c.request_id: c.text for c in theirs.generate(iter(requests))}
         assert answers_ours == answers_theirs and all(answers_ours.values())
@@ -341,7 +343,8 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
         ours.close()
         theirs.close()
     # vLLM's processor cache sends a repeated image's data once (then None: the engine core
-    # has it); ours is off, so every request carries its own
+    # has it); the threads process without it, so every request they build carries its own
+    # (the engine thread leaves it out as it adds them: sent_without above)
     sent = {r.mm_features[0].identifier: r.mm_features[0].data for r in reference
             if r.mm_features[0].data is not None}
     assert len(sent) == 12

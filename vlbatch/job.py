@@ -238,8 +238,9 @@ class EngineSettings(_Strict):
                                                "(a page's tasks share their image's prefix); "
                                                "None: vLLM's default.")
     seed: int = Field(default=0, description="The engine's sampling seed.")
-    max_in_flight: int = Field(default=512, ge=1, description="Requests handed to vLLM at once: "
-                               "enough to fill its KV cache, bounded so host memory stays flat.")
+    max_in_flight: int = Field(default=512, ge=1, description="Pages handed to vLLM at once "
+                               "(a page's tasks count once: they share its pixels): enough to "
+                               "fill its KV cache, bounded so host memory stays flat.")
     cpu_kv_cache_gib: float = Field(default=2.0, gt=0, description="KV cache of the CPU build.")
     compile_mm_encoder: bool = Field(default=True, description="torch.compile the vision "
                                      "encoder too (no effect with enforce_eager).")

@@ -16,7 +16,7 @@ from concurrent.futures import Future, wait
 
 from vlbatch.engine.base import Completion, Request
 from vlbatch.engine.prompts import PromptBuilder
-from vlbatch.engine.vllm_frontend import InputFront
+from vlbatch.engine.vllm_frontend import InputFront, PixelsOnce, detach_processor_cache
 from vlbatch import library_chatter
 from vlbatch.errors import JobCannotRunError
 from vlbatch.pipeline.failures import rejection_prefix
@@ -47,8 +47,6 @@ def engine_kwargs(job: Job) -> dict:
                     max_num_batched_tokens=e.max_num_batched_tokens,
                     enable_prefix_caching=e.enable_prefix_caching, quantization=e.quantization)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
-    if e.frontend_threads:  # its LRU is not for concurrent use (vllm_frontend.py)
-        kwargs["mm_processor_cache_gb"] = 0
     if e.mm_tensor_ipc is not None:
         kwargs["mm_tensor_ipc"] = e.mm_tensor_ipc
     if any(t.answer_schema is not None for t in job.tasks):
@@ -106,6 +104,10 @@ class VllmEngine:
         pages = job.engine.warmup_pages
         self.warm_up_seconds += self.warm_up_generation(
             (GPU_WARMUP_PAGES if gpu else 0) if pages is None else pages)
+        # with input threads, vLLM's front-end processor cache comes off (not for concurrent
+        # use); the engine core's twin still spares a page's later tasks its pixels
+        self._pixels = PixelsOnce(detach_processor_cache(self.llm.llm_engine)) \
+            if job.engine.frontend_threads else None
         self.start_seconds = time.monotonic() - started
         log.debug("vLLM %s started in %.1f s (torch threads %d, OMP_NUM_THREADS %s)", self.version,
                   self.start_seconds, __import__("torch").get_num_threads(),
@@ -209,26 +211,35 @@ class VllmEngine:
         self._front = front
         in_flight: set[str] = set()
         preparing: deque[tuple[Request, Future]] = deque()
+        pages = PagesInFlight()
+        sent_before = self._pixels.sent_without if self._pixels is not None else 0
+        waiting = None  # a new page's request, taken while max_in_flight pages are in flight
         exhausted = False
         try:
             while True:
-                while not exhausted and len(in_flight) + len(preparing) < self.max_in_flight:
-                    request = next(feed, StopIteration)
+                while not exhausted:
+                    request, waiting = (waiting or next(feed, StopIteration)), None
                     if request is StopIteration:
                         exhausted = True
                     elif request is None:  # nothing rendered yet
                         if in_flight or preparing:
                             break
                         time.sleep(IDLE_WAIT_S)
+                    elif not pages.joins_last(request) and len(pages) >= self.max_in_flight:
+                        waiting = request
+                        break
                     elif front is not None:
+                        pages.take(request)
                         params = self.sampling_params(request.task, request.retry)
                         preparing.append((request, front.prepare(
                             request.request_id, self.vllm_prompt(request), params)))
                     else:
+                        pages.take(request)
                         done = self._add(engine, request, None)
                         if done is None:
                             in_flight.add(request.request_id)
                         else:
+                            pages.done(done.request_id)
                             yield done
                 if preparing and not in_flight:  # nothing to step: wait for the next one
                     wait([preparing[0][1]], timeout=IDLE_WAIT_S * 10)
@@ -238,6 +249,7 @@ class VllmEngine:
                     if done is None:
                         in_flight.add(request.request_id)
                     else:
+                        pages.done(done.request_id)
                         yield done
                 if not in_flight:
                     if exhausted and not preparing:
@@ -247,10 +259,14 @@ class VllmEngine:
                     if not out.finished:
                         continue
                     in_flight.discard(out.request_id)
+                    pages.done(out.request_id)
                     yield self._completion(out)
         finally:
             if front is not None:
                 front.close()
+            if self._pixels is not None and self._pixels.sent_without > sent_before:
+                log.info("%d requests sent to the engine core without their page's pixels "
+                         "(it held them)", self._pixels.sent_without - sent_before)
 
     def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
@@ -262,11 +278,16 @@ class VllmEngine:
                 processed = prepared.result()
             except Exception as e:  # processed again below, alone: what fails then is final
                 self._note_thread_failure(e)
+        pixels = self._pixels
+        stripped = pixels.strip(processed) if pixels is not None and processed is not None \
+            else None
         try:
             engine.add_request(request.request_id,
                                processed if processed is not None else self.vllm_prompt(request),
                                params)
         except Exception as e:
+            if pixels is not None:
+                pixels.failed(processed, stripped)
             if is_bad_request(e):  # e.g. a prompt over max_model_len: the same tomorrow,
                 # unless the limit changes (failures.refused_under: such rows are tried again)
                 return Completion(request.request_id, None,
@@ -275,6 +296,11 @@ class VllmEngine:
             # not the request's fault: the next run tries it again (failures.py)
             return Completion(request.request_id, None, f"request refused by the engine: "
                               f"{type(e).__name__}: {e}", rejected=True)
+        if pixels is not None:
+            if processed is not None:
+                pixels.added(processed, stripped)
+            else:
+                pixels.forget()
         return None
 
     def _note_thread_failure(self, error: Exception) -> None:
@@ -310,6 +336,39 @@ class VllmEngine:
             if callable(shutdown):
                 shutdown()
             self.llm = None
+
+
+class PagesInFlight:
+    """Requests taken from the feed and not yet done, counted by page: a page's tasks (the
+    same image, one after another in the feed) count once, as they share its pixels."""
+
+    def __init__(self):
+        self.requests: dict[int, int] = {}  # page: its requests not yet done
+        self.page_of: dict[str, int] = {}  # request id: its page
+        self._image = None  # the last page's image
+        self._page = 0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def joins_last(self, request: Request) -> bool:
+        return request.image is not None and request.image is self._image
+
+    def take(self, request: Request) -> None:
+        if not self.joins_last(request):
+            self._page += 1
+            self._image = request.image
+        self.requests[self._page] = self.requests.get(self._page, 0) + 1
+        self.page_of[request.request_id] = self._page
+
+    def done(self, request_id: str) -> None:
+        page = self.page_of.pop(request_id, None)
+        if page is None:
+            return
+        if self.requests[page] > 1:
+            self.requests[page] -= 1
+        else:
+            del self.requests[page]
 
 
 def start_vllm_engine(job: Job, prompts=None) -> VllmEngine:

@@ -21,12 +21,18 @@ vLLM internals used, present in 0.26 (GPU) and 0.32 (CPU build), checked by
 tests/test_e2e_vllm.py: `LLMEngine.input_processor.process_inputs(request_id, prompt,
 params, supported_tasks=...)` (also with a processed input), `LLMEngine.get_supported_tasks()`,
 `LLMEngine.get_tokenizer()`, `EngineCoreRequest.mm_features` (data, mm_hash, mm_position),
-`vllm.inputs.engine.mm_input`, and `add_request` taking an `EngineCoreRequest`. vLLM's
-processor cache is off while these threads run (its LRU is not made for concurrent use).
+`vllm.inputs.engine.mm_input`, and `add_request` taking an `EngineCoreRequest`.
+
+vLLM's front-end processor cache is taken off the renderer while these threads run (its LRU
+is not made for concurrent use); its twin in the engine core (the receiver cache, which
+keeps the processed images it was sent, by hash) stays, and `PixelsOnce` uses it as vLLM's
+own front end does: a page's later requests go to the engine core without the image's
+pixels, which the core already holds (W3: one copy a page, not one a task).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -124,6 +130,90 @@ class InputFront:
 
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+# vLLM's front-end processor caches whose twin in the engine core keeps the processed items
+# it is sent (the "lru" cache type): 0.26's name, 0.32's
+PAIRED_SENDER_CACHES = ("MultiModalProcessorSenderCache", "LruKeyReplicatedSenderCache")
+
+
+def detach_processor_cache(llm_engine) -> int:
+    """Takes vLLM's front-end processor cache off its renderer (the input threads process
+    without it) and returns how many bytes of processed images the engine core's twin cache
+    keeps: 0 where it has none (the cache is off, or of another type)."""
+    renderer = llm_engine.input_processor.renderer
+    if hasattr(renderer, "_mm_processor_cache"):  # vLLM 0.32: handed to each processing
+        cache, renderer._mm_processor_cache = renderer._mm_processor_cache, None
+    else:  # vLLM 0.26: held by the processor
+        processor = getattr(renderer, "mm_processor", None)
+        cache = getattr(processor, "cache", None)
+        if cache is not None:
+            processor.cache = None
+    if type(cache).__name__ not in PAIRED_SENDER_CACHES:
+        return 0
+    return int(llm_engine.model_config.get_multimodal_config().mm_processor_cache_gb * 2**30)
+
+
+class PixelsOnce:
+    """A request whose image the engine core was just sent goes without the image's data.
+
+    The engine core's receiver cache (vLLM's, `detach_processor_cache`) keeps each image it
+    is sent, by hash, in an LRU of `capacity` bytes, and hands a request that comes without
+    data the kept one (vLLM's own front end relies on the same). Requests reach the core in
+    the order they are added, so an image whose request was the last one added with an
+    image is its newest entry and cannot have been evicted: only then is the data left out
+    (a page's later tasks, which follow its first). Used on the thread that adds requests."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.last: str | None = None  # the key of the last image the core received
+        self.sent_without = 0  # requests sent without their image's data
+
+    def strip(self, request):
+        """Leaves the image's data out of `request` where the core holds it; returns the
+        features as they were (to put back if the add fails), else None."""
+        features = request.mm_features
+        if not self.capacity or self.last is None or not features or len(features) != 1:
+            return None
+        feature = features[0]
+        if feature.data is None or _cache_key(feature) != self.last:
+            return None
+        request.mm_features = [dataclasses.replace(feature, data=None)]
+        return features
+
+    def added(self, request, stripped) -> None:
+        """`request` reached the engine (`stripped`: what `strip` returned)."""
+        if stripped is not None:
+            self.sent_without += 1
+            return
+        features = request.mm_features
+        if not features:  # a text-only request leaves the core's cache as it was
+            return
+        feature = features[0] if len(features) == 1 else None
+        self.last = _cache_key(feature) if feature is not None and feature.data is not None \
+            and self.capacity and _item_bytes(feature.data) * 2 <= self.capacity else None
+
+    def failed(self, request, stripped) -> None:
+        """The add raised: the data is put back; nothing is assumed of the core's cache."""
+        if stripped is not None:
+            request.mm_features = stripped
+        self.forget()
+
+    def forget(self) -> None:
+        """A request this class did not see reached the core (vLLM processed it itself)."""
+        self.last = None
+
+
+def _cache_key(feature) -> str | None:
+    return feature.mm_hash or feature.identifier  # the receiver cache's key
+
+
+def _item_bytes(item) -> int:
+    """The size the receiver cache counts an item at (vLLM's own measure)."""
+    try:
+        from vllm.multimodal.cache.base import MultiModalCache  # 0.32
+    except ImportError:
+        from vllm.multimodal.cache import MultiModalCache  # 0.26
+
+    return MultiModalCache.get_item_size(item)
 
 
 def _lower_float(dtype):

@@ -1,0 +1,126 @@
+"""The engine thread's feed (engine/vllm_engine.py): what it hands vLLM at once, counted by
+page, and the pixels a page's later requests leave out (engine/vllm_frontend.py). A fake
+LLMEngine records what it is handed; tests/test_e2e_vllm.py runs the same code on vLLM."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from PIL import Image
+
+from conftest import job_fields
+from vlbatch.engine.base import Request
+from vlbatch.engine.vllm_frontend import PixelsOnce
+from vlbatch.job import Job
+
+
+class RecordingEngine:
+    """Finishes the oldest request at each step; records how many requests and pages it
+    held at once."""
+
+    def __init__(self, page_of: dict[str, int]):
+        self.page_of = page_of
+        self.held: list[str] = []
+        self.most_requests = self.most_pages = 0
+
+    def add_request(self, request_id, prompt, params):
+        self.held.append(request_id)
+        self.most_requests = max(self.most_requests, len(self.held))
+        self.most_pages = max(self.most_pages, len({self.page_of[r] for r in self.held}))
+
+    def step(self):
+        done = self.held.pop(0)
+        return [SimpleNamespace(finished=True, request_id=done, prompt_token_ids=[1, 2],
+                                outputs=[SimpleNamespace(text=f"answer {done}", token_ids=[3],
+                                                         finish_reason="stop")])]
+
+
+def feed_engine(max_in_flight: int, tasks: int, pages: int):
+    from vlbatch.engine.vllm_engine import VllmEngine
+
+    job = Job.model_validate(job_fields("m", ["x/*"], tasks=[
+        {"name": f"t{i}", "prompt": "p"} for i in range(tasks)]))
+    job = job.model_copy(update={"engine": job.engine.model_copy(
+        update={"frontend_threads": 0, "max_in_flight": max_in_flight})})
+    requests, page_of = [], {}
+    for p in range(pages):
+        image = Image.new("RGB", (8, 8), (p, 0, 0))  # one image object a page, as the pipeline
+        for task in job.tasks:
+            requests.append(Request(f"{p}-{task.name}", image, "q", task))
+            page_of[f"{p}-{task.name}"] = p
+    engine = object.__new__(VllmEngine)
+    engine.job, engine.max_in_flight, engine._pixels = job, max_in_flight, None
+    engine._thread_failures = {}
+    engine.sampling_params = lambda task, retry=False: None
+    engine.vllm_prompt = lambda request: {"prompt": request.text}
+    fake = RecordingEngine(page_of)
+    engine.llm = SimpleNamespace(llm_engine=fake)
+    done = list(engine.generate(iter(requests)))
+    return fake, done, requests
+
+
+def test_max_in_flight_counts_a_page_once_however_many_tasks_ask_about_it():
+    fake, done, requests = feed_engine(max_in_flight=2, tasks=4, pages=5)
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
+    assert all(c.text == f"answer {c.request_id}" for c in done)
+    assert fake.most_pages == 2  # the bound, in pages
+    assert fake.most_requests == 8  # a page's four tasks together, not split by the bound
+    fake, done, _ = feed_engine(max_in_flight=3, tasks=1, pages=6)
+    assert (fake.most_pages, fake.most_requests, len(done)) == (3, 3, 6)
+
+
+def feature(key: str, data=None):
+    return SimpleNamespace(mm_hash=key, identifier=key, data=data, modality="image")
+
+
+def request(key: str | None, with_data=True):
+    import torch
+
+    data = {"pixel_values": SimpleNamespace(data=torch.zeros(4))} if with_data else None
+    return SimpleNamespace(mm_features=[feature(key, data)] if key else None)
+
+
+def test_pixels_are_left_out_only_right_after_the_core_received_that_image(monkeypatch):
+    import dataclasses
+
+    import vlbatch.engine.vllm_frontend as frontend
+
+    # SimpleNamespace is no dataclass: the features as vLLM's (a dataclass with these fields)
+    spec = dataclasses.make_dataclass("Spec", ["data", "modality", "identifier", "mm_hash"])
+    monkeypatch.setattr(frontend, "_item_bytes", lambda item: 100)
+
+    def make(key, with_data=True):
+        r = request(key, with_data)
+        r.mm_features = [spec(f.data, f.modality, f.identifier, f.mm_hash)
+                         for f in r.mm_features or []] or None
+        return r
+
+    pixels = PixelsOnce(capacity=1000)
+
+    def send(r):
+        stripped = pixels.strip(r)
+        pixels.added(r, stripped)
+        return r.mm_features[0].data is None if r.mm_features else None
+
+    assert send(make("a")) is False  # the first of a page carries its pixels
+    assert send(make("a")) is True and send(make("a")) is True  # its later tasks do not
+    assert send(make(None)) is None  # a text-only request leaves the core's cache as it was
+    assert send(make("a")) is True
+    assert send(make("b")) is False and send(make("a")) is False  # "a" is no longer newest
+    assert pixels.sent_without == 3
+    # a failed add: the data is put back and nothing is assumed
+    r = make("a")
+    stripped = pixels.strip(r)
+    assert stripped is not None and r.mm_features[0].data is None
+    pixels.failed(r, stripped)
+    assert r.mm_features[0].data is not None and send(make("a")) is False
+    # vLLM processed a request itself (not seen here): the next one carries its pixels
+    pixels.forget()
+    assert send(make("a")) is False
+    # an image the core's cache would not keep (over half of it), or no such cache at all
+    monkeypatch.setattr(frontend, "_item_bytes", lambda item: 600)
+    assert send(make("c")) is False and send(make("c")) is False
+    no_cache = PixelsOnce(capacity=0)
+    r1, r2 = make("d"), make("d")
+    no_cache.added(r1, no_cache.strip(r1))
+    assert no_cache.strip(r2) is None
