@@ -274,7 +274,8 @@ def run_vlbatch(args) -> dict:
     engine_log = logging.getLogger("vlbatch")  # the engine's start and warm-up lines
     engine_log.setLevel(logging.DEBUG)
     handler = logging.StreamHandler()
-    handler.addFilter(lambda record: "warm-up" in record.msg or "started in" in record.msg)
+    handler.addFilter(lambda record: any(part in record.msg for part in (
+        "warm-up", "started in", "input threads", "without their page's pixels")))
     engine_log.addHandler(handler)
     stats = run_job(job, progress=progress, limit=args.limit or None)
     wall_s = time.monotonic() - started
