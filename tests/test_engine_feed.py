@@ -4,6 +4,7 @@ LLMEngine records what it is handed; tests/test_e2e_vllm.py runs the same code o
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from PIL import Image
@@ -69,32 +70,23 @@ def test_max_in_flight_counts_a_page_once_however_many_tasks_ask_about_it():
     assert (fake.most_pages, fake.most_requests, len(done)) == (3, 3, 6)
 
 
-def feature(key: str, data=None):
-    return SimpleNamespace(mm_hash=key, identifier=key, data=data, modality="image")
+# the fields of vLLM's MultiModalFeatureSpec (a dataclass) that PixelsOnce reads
+FeatureSpec = dataclasses.make_dataclass("FeatureSpec", ["data", "modality", "identifier",
+                                                         "mm_hash"])
 
 
-def request(key: str | None, with_data=True):
+def make(key: str | None):
+    """A processed request of the image `key` (None: text only)."""
     import torch
 
-    data = {"pixel_values": SimpleNamespace(data=torch.zeros(4))} if with_data else None
-    return SimpleNamespace(mm_features=[feature(key, data)] if key else None)
+    data = {"pixel_values": SimpleNamespace(data=torch.zeros(4))}
+    return SimpleNamespace(mm_features=[FeatureSpec(data, "image", key, key)] if key else None)
 
 
 def test_pixels_are_left_out_only_right_after_the_core_received_that_image(monkeypatch):
-    import dataclasses
-
     import vlbatch.engine.vllm_frontend as frontend
 
-    # SimpleNamespace is no dataclass: the features as vLLM's (a dataclass with these fields)
-    spec = dataclasses.make_dataclass("Spec", ["data", "modality", "identifier", "mm_hash"])
     monkeypatch.setattr(frontend, "_item_bytes", lambda item: 100)
-
-    def make(key, with_data=True):
-        r = request(key, with_data)
-        r.mm_features = [spec(f.data, f.modality, f.identifier, f.mm_hash)
-                         for f in r.mm_features or []] or None
-        return r
-
     pixels = PixelsOnce(capacity=1000)
 
     def send(r):
@@ -115,7 +107,7 @@ def test_pixels_are_left_out_only_right_after_the_core_received_that_image(monke
     pixels.failed(r, stripped)
     assert r.mm_features[0].data is not None and send(make("a")) is False
     # vLLM processed a request itself (not seen here): the next one carries its pixels
-    pixels.forget()
+    pixels.added(None, None)
     assert send(make("a")) is False
     # an image the core's cache would not keep (over half of it), or no such cache at all
     monkeypatch.setattr(frontend, "_item_bytes", lambda item: 600)

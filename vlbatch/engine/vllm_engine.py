@@ -297,10 +297,7 @@ class VllmEngine:
             return Completion(request.request_id, None, f"request refused by the engine: "
                               f"{type(e).__name__}: {e}", rejected=True)
         if pixels is not None:
-            if processed is not None:
-                pixels.added(processed, stripped)
-            else:
-                pixels.forget()
+            pixels.added(processed, stripped)
         return None
 
     def _note_thread_failure(self, error: Exception) -> None:

@@ -180,7 +180,11 @@ class PixelsOnce:
         return features
 
     def added(self, request, stripped) -> None:
-        """`request` reached the engine (`stripped`: what `strip` returned)."""
+        """`request` reached the engine (`stripped`: what `strip` returned); None: a request
+        vLLM processed itself, unseen here."""
+        if request is None:
+            self.forget()
+            return
         if stripped is not None:
             self.sent_without += 1
             return
@@ -198,7 +202,7 @@ class PixelsOnce:
         self.forget()
 
     def forget(self) -> None:
-        """A request this class did not see reached the core (vLLM processed it itself)."""
+        """Nothing is assumed of the core's cache: the next image goes with its data."""
         self.last = None
 
 
