@@ -275,7 +275,8 @@ def run_vlbatch(args) -> dict:
     engine_log.setLevel(logging.DEBUG)
     handler = logging.StreamHandler()
     handler.addFilter(lambda record: any(part in record.msg for part in (
-        "warm-up", "started in", "input threads", "without their page's pixels")))
+        "warm-up", "started in", "input threads", "without their page's pixels",
+        "feed start")))
     engine_log.addHandler(handler)
     stats = run_job(job, progress=progress, limit=args.limit or None)
     wall_s = time.monotonic() - started

@@ -215,6 +215,7 @@ class VllmEngine:
         sent_before = self._pixels.sent_without if self._pixels is not None else 0
         waiting = None  # a new page's request, taken while max_in_flight pages are in flight
         exhausted = False
+        self._ramp = FeedRamp()
         try:
             while True:
                 while not exhausted:
@@ -229,11 +230,13 @@ class VllmEngine:
                         waiting = request
                         break
                     elif front is not None:
+                        self._ramp.taken()
                         pages.take(request)
                         params = self.sampling_params(request.task, request.retry)
                         preparing.append((request, front.prepare(
                             request.request_id, self.vllm_prompt(request), params)))
                     else:
+                        self._ramp.taken()
                         pages.take(request)
                         done = self._add(engine, request, None)
                         if done is None:
@@ -264,6 +267,8 @@ class VllmEngine:
         finally:
             if front is not None:
                 front.close()
+            if self._ramp.first_taken is not None:
+                log.info("feed start: %s", self._ramp.describe())
             if self._pixels is not None and self._pixels.sent_without > sent_before:
                 log.info("%d requests sent to the engine core without their page's pixels "
                          "(it held them)", self._pixels.sent_without - sent_before)
@@ -298,6 +303,9 @@ class VllmEngine:
                               f"{type(e).__name__}: {e}", rejected=True)
         if pixels is not None:
             pixels.added(processed, stripped)
+        ramp = getattr(self, "_ramp", None)
+        if ramp is not None:
+            ramp.added()
         return None
 
     def _note_thread_failure(self, error: Exception) -> None:
@@ -333,6 +341,38 @@ class VllmEngine:
             if callable(shutdown):
                 shutdown()
             self.llm = None
+
+
+class FeedRamp:
+    """How fast a run's first requests reach the engine: the GPU idles at a run's start
+    until enough are in (the benchmark's log shows it)."""
+
+    MARKS_S = (0.5, 1.0, 2.0)
+
+    def __init__(self):
+        self.first_taken: float | None = None  # the first request taken from the feed
+        self.first_added: float | None = None
+        self.by_mark = [0] * len(self.MARKS_S)  # requests added within each mark of the first
+
+    def taken(self) -> None:
+        if self.first_taken is None:
+            self.first_taken = time.monotonic()
+
+    def added(self) -> None:
+        now = time.monotonic()
+        if self.first_added is None:
+            self.first_added = now
+        since = now - (self.first_taken if self.first_taken is not None else now)
+        for i, mark in enumerate(self.MARKS_S):
+            if since <= mark:
+                self.by_mark[i] += 1
+
+    def describe(self) -> str:
+        if self.first_added is None:
+            return "no request added"
+        marks = ", ".join(f"{n} by {m:g} s" for n, m in zip(self.by_mark, self.MARKS_S))
+        return (f"first request added {self.first_added - self.first_taken:.2f} s after it "
+                f"was taken; requests added: {marks}")
 
 
 class PagesInFlight:
