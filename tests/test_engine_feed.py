@@ -116,3 +116,18 @@ def test_pixels_are_left_out_only_right_after_the_core_received_that_image(monke
     r1, r2 = make("d"), make("d")
     no_cache.added(r1, no_cache.strip(r1))
     assert no_cache.strip(r2) is None
+
+
+def test_feed_ramp_counts_requests_added_within_each_mark(monkeypatch):
+    from vlbatch.engine import vllm_engine
+
+    clock = [100.0]
+    monkeypatch.setattr(vllm_engine.time, "monotonic", lambda: clock[0])
+    ramp = vllm_engine.FeedRamp()
+    assert ramp.describe() == "no request added"
+    ramp.taken()
+    for at in (100.3, 100.8, 101.5, 103.0):
+        clock[0] = at
+        ramp.added()
+    assert ramp.by_mark == [1, 2, 3]
+    assert ramp.describe().startswith("first request added 0.30 s after it was taken")
