@@ -215,7 +215,7 @@ class VllmEngine:
         sent_before = self._pixels.sent_without if self._pixels is not None else 0
         waiting = None  # a new page's request, taken while max_in_flight pages are in flight
         exhausted = False
-        self._ramp = FeedRamp()
+        ramp = FeedRamp()
         try:
             while True:
                 while not exhausted:
@@ -230,17 +230,18 @@ class VllmEngine:
                         waiting = request
                         break
                     elif front is not None:
-                        self._ramp.taken()
+                        ramp.taken()
                         pages.take(request)
                         params = self.sampling_params(request.task, request.retry)
                         preparing.append((request, front.prepare(
                             request.request_id, self.vllm_prompt(request), params)))
                     else:
-                        self._ramp.taken()
+                        ramp.taken()
                         pages.take(request)
                         done = self._add(engine, request, None)
                         if done is None:
                             in_flight.add(request.request_id)
+                            ramp.added()
                         else:
                             pages.done(done.request_id)
                             yield done
@@ -251,6 +252,7 @@ class VllmEngine:
                     done = self._add(engine, request, prepared)
                     if done is None:
                         in_flight.add(request.request_id)
+                        ramp.added()
                     else:
                         pages.done(done.request_id)
                         yield done
@@ -267,8 +269,8 @@ class VllmEngine:
         finally:
             if front is not None:
                 front.close()
-            if self._ramp.first_taken is not None:
-                log.info("feed start: %s", self._ramp.describe())
+            if ramp.first_taken is not None:
+                log.info("feed start: %s", ramp.describe())
             if self._pixels is not None and self._pixels.sent_without > sent_before:
                 log.info("%d requests sent to the engine core without their page's pixels "
                          "(it held them)", self._pixels.sent_without - sent_before)
@@ -303,9 +305,6 @@ class VllmEngine:
                               f"{type(e).__name__}: {e}", rejected=True)
         if pixels is not None:
             pixels.added(processed, stripped)
-        ramp = getattr(self, "_ramp", None)
-        if ramp is not None:
-            ramp.added()
         return None
 
     def _note_thread_failure(self, error: Exception) -> None:
