@@ -296,6 +296,10 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
     assert threaded.engine.frontend_threads == 4  # the default
     ours, theirs = VllmEngine(threaded), VllmEngine(plain)
     try:
+        # engine start warmed each input thread with a page of its own: a thread's first
+        # request is not the run's
+        warmed = ours._front
+        assert warmed.warmed == 4 and len(warmed.pool._threads) == 4 and theirs._front is None
         front = InputFront(ours.llm.llm_engine, 4, 2)
         requests = []
         for i, (w, h) in enumerate([(1240, 1754), (640, 300), (100, 100), (2000, 500)] * 3):
@@ -317,6 +321,9 @@ def test_input_threads_hand_vllm_what_it_builds_itself(tiny_model, write_job, mo
         with caplog.at_level(logging.INFO, logger="vlbatch"):
             answers_ours = {c.request_id: c.text for c in ours.generate(iter(requests))}
         assert any("input threads: 12 requests built from their page's first" in r.getMessage()
+                   for r in caplog.records)
+        assert ours._front is warmed and not warmed.closed  # the run used the warmed threads
+        assert any(r.getMessage().startswith("feed start: first request processed")
                    for r in caplog.records)
         # a page's later tasks went to the engine core without its pixels (it had them)
         assert ours._pixels.capacity > 0 and ours._pixels.sent_without == 12

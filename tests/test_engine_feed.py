@@ -131,3 +131,68 @@ def test_feed_ramp_counts_requests_added_within_each_mark(monkeypatch):
         ramp.added()
     assert ramp.by_mark == [1, 2, 3]
     assert ramp.describe().startswith("first request added 0.30 s after it was taken")
+    clock[0] = 100.0
+    ramp = vllm_engine.FeedRamp()
+    ramp.taken()
+    clock[0] = 100.2
+    ramp.processed()  # by an input thread: before the engine thread adds it
+    clock[0] = 100.25
+    ramp.processed()  # later requests' processing is not the first's
+    clock[0] = 100.3
+    ramp.added()
+    assert ramp.describe().startswith(
+        "first request processed 0.20 s and added 0.30 s after it was taken; "
+        "requests added: 1 by 0.5 s")
+
+
+class ThreadRecordingProcessor:
+    """vLLM's input processor, as InputFront calls it: records the thread of each request;
+    `fail` requests raise, `stall` ones take `stall_s`."""
+
+    def __init__(self, fail=(), stall=(), stall_s=0.0):
+        import threading
+
+        self.threads, self.fail, self.stall, self.stall_s = set(), fail, stall, stall_s
+        self.lock = threading.Lock()
+
+    def process_inputs(self, request_id, prompt, params, supported_tasks=None):
+        import threading
+        import time
+
+        with self.lock:
+            self.threads.add(threading.current_thread().name)
+        if prompt["n"] in self.fail:
+            raise ValueError("a bad page")
+        if prompt["n"] in self.stall:
+            time.sleep(self.stall_s)
+        return SimpleNamespace(request_id=request_id, mm_features=None)
+
+
+def input_front(processor, threads: int):
+    from vlbatch.engine.vllm_frontend import InputFront
+
+    engine = SimpleNamespace(input_processor=processor, get_supported_tasks=lambda: ("generate",),
+                             get_tokenizer=lambda: None)
+    return InputFront(engine, threads, torch_threads=1)
+
+
+def test_the_input_threads_warm_up_each_thread_at_once_and_a_failure_costs_only_the_warm_up():
+    import time
+
+    processor = ThreadRecordingProcessor()
+    front = input_front(processor, 4)
+    try:
+        front.warm_up([{"n": i} for i in range(4)], None, timeout_s=30)
+        # one request a thread: every thread of the pool exists and has processed one
+        assert front.warmed == 4 and len(processor.threads) == 4
+    finally:
+        front.close()
+    processor = ThreadRecordingProcessor(fail={1}, stall={2}, stall_s=2.0)
+    front = input_front(processor, 3)
+    try:
+        started = time.monotonic()
+        front.warm_up([{"n": i} for i in range(3)], None, timeout_s=0.5)
+        assert time.monotonic() - started < 1.5  # bounded: the stalled one is not waited for
+        assert front.warmed == 1  # the failed and the stalled one did not warm
+    finally:
+        front.close()

@@ -25,6 +25,7 @@ from vlbatch.job import Job, Task
 log = logging.getLogger("vlbatch")
 GPU_WARMUP_PAGES = 16  # engine.warmup_pages' default on a GPU (as raw's 16-page warm-up)
 WARMUP_TOKENS = 8  # generated for each warm-up page: prefill and a few decode steps
+THREAD_WARMUP_TIMEOUT_S = 60.0  # the input threads' warm-up at engine start, at most
 IDLE_WAIT_S = 0.005  # nothing in flight and nothing ready: how long to wait before asking again
 
 
@@ -108,6 +109,13 @@ class VllmEngine:
         # use); the engine core's twin still spares a page's later tasks its pixels
         self._pixels = PixelsOnce(detach_processor_cache(self.llm.llm_engine)) \
             if job.engine.frontend_threads else None
+        self._front: InputFront | None = None
+        if job.engine.frontend_threads:
+            self._front = self._new_input_front()
+            self.warm_up_seconds += self._front.warm_up(
+                [self.vllm_prompt(self._random_page_request(f"vlbatch-thread-warm-up-{i}"))
+                 for i in range(job.engine.frontend_threads)],
+                self.sampling_params(job.tasks[0]), THREAD_WARMUP_TIMEOUT_S)
         self.start_seconds = time.monotonic() - started
         log.debug("vLLM %s started in %.1f s (torch threads %d, OMP_NUM_THREADS %s)", self.version,
                   self.start_seconds, __import__("torch").get_num_threads(),
@@ -204,11 +212,11 @@ class VllmEngine:
         """Requests from `feed` go to the input threads (or, with none, straight to vLLM);
         this thread adds what is ready to the engine, in order, and steps it."""
         engine = self.llm.llm_engine
-        threads = self.job.engine.frontend_threads
-        front = InputFront(engine, threads, self.job.engine.frontend_torch_threads,
-                           pixels_in_model_dtype=self.job.engine.pixels_in_model_dtype) \
-            if threads else None
-        self._front = front
+        front = None
+        if self.job.engine.frontend_threads:  # the threads warmed at engine start
+            if self._front is None or self._front.closed:
+                self._front = self._new_input_front()
+            front = self._front
         in_flight: set[str] = set()
         preparing: deque[tuple[Request, Future]] = deque()
         pages = PagesInFlight()
@@ -233,8 +241,11 @@ class VllmEngine:
                         ramp.taken()
                         pages.take(request)
                         params = self.sampling_params(request.task, request.retry)
-                        preparing.append((request, front.prepare(
-                            request.request_id, self.vllm_prompt(request), params)))
+                        prepared = front.prepare(request.request_id,
+                                                 self.vllm_prompt(request), params)
+                        if not preparing and ramp.first_processed is None:
+                            prepared.add_done_callback(ramp.processed)
+                        preparing.append((request, prepared))
                     else:
                         ramp.taken()
                         pages.take(request)
@@ -268,12 +279,17 @@ class VllmEngine:
                     yield self._completion(out)
         finally:
             if front is not None:
-                front.close()
+                front.report()
             if ramp.first_taken is not None:
                 log.info("feed start: %s", ramp.describe())
             if self._pixels is not None and self._pixels.sent_without > sent_before:
                 log.info("%d requests sent to the engine core without their page's pixels "
                          "(it held them)", self._pixels.sent_without - sent_before)
+
+    def _new_input_front(self) -> InputFront:
+        e = self.job.engine
+        return InputFront(self.llm.llm_engine, e.frontend_threads, e.frontend_torch_threads,
+                          pixels_in_model_dtype=e.pixels_in_model_dtype)
 
     def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
@@ -350,12 +366,18 @@ class FeedRamp:
 
     def __init__(self):
         self.first_taken: float | None = None  # the first request taken from the feed
+        self.first_processed: float | None = None  # by an input thread (if any)
         self.first_added: float | None = None
         self.by_mark = [0] * len(self.MARKS_S)  # requests added within each mark of the first
 
     def taken(self) -> None:
         if self.first_taken is None:
             self.first_taken = time.monotonic()
+
+    def processed(self, _future=None) -> None:
+        """The first request's processing is done (an input thread calls it)."""
+        if self.first_processed is None:
+            self.first_processed = time.monotonic()
 
     def added(self) -> None:
         now = time.monotonic()
@@ -370,8 +392,10 @@ class FeedRamp:
         if self.first_added is None:
             return "no request added"
         marks = ", ".join(f"{n} by {m:g} s" for n, m in zip(self.by_mark, self.MARKS_S))
-        return (f"first request added {self.first_added - self.first_taken:.2f} s after it "
-                f"was taken; requests added: {marks}")
+        processed = "" if self.first_processed is None else \
+            f"processed {self.first_processed - self.first_taken:.2f} s and "
+        return (f"first request {processed}added {self.first_added - self.first_taken:.2f} s "
+                f"after it was taken; requests added: {marks}")
 
 
 class PagesInFlight:

@@ -36,7 +36,8 @@ import dataclasses
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 log = logging.getLogger("vlbatch")
 MAX_PLACEHOLDER_TOKENS = 4  # the image's placeholder in the prompt text, before expansion
@@ -59,12 +60,41 @@ class InputFront:
         self._lock = threading.Lock()
         self.shared = 0  # requests built from their page's first request
         self.unshared = 0  # a page's later requests processed in full (Unshareable)
+        self._reported = (0, 0)  # shared, unshared at the last report
         self.closed = False
+        self.warmed = 0  # warm-up requests the threads processed (warm_up)
         # vLLM sets torch's thread count from OMP_NUM_THREADS around each request's
         # processing (vllm/utils/torch_utils.py): the count for these threads. Set after the
         # engine started, so its own processes keep theirs.
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="vlbatch-frontend")
+
+    def warm_up(self, prompts: list[dict], params, timeout_s: float) -> float:
+        """Process `prompts` (one a thread, all at once, none added to the engine) so that
+        each thread exists and has met vLLM's processing before the run's first page: a
+        thread's first request took about a second on the H100 host (docs/benchmarks.md),
+        while the GPU waited. The seconds it took; a failure or a stall (bounded by
+        `timeout_s`) only costs the warm-up."""
+        started = time.monotonic()
+        # every task waits for the others: each is held by a thread of its own
+        together = threading.Barrier(len(prompts))
+
+        def process(i: int, prompt: dict):
+            together.wait(timeout_s)
+            return self._process(f"vlbatch-thread-warm-up-{i}", prompt, params)
+
+        futures = [self.pool.submit(process, i, prompt) for i, prompt in enumerate(prompts)]
+        done, stalled = wait(futures, timeout=timeout_s)
+        failures = [f.exception() for f in done if f.exception() is not None]
+        seconds = time.monotonic() - started
+        if failures or stalled:
+            together.abort()
+            log.debug("input threads' warm-up: %d failed (%s), %d did not finish in %.0f s",
+                      len(failures), failures[0] if failures else "-", len(stalled), timeout_s)
+        self.warmed = len(done) - len(failures)
+        log.debug("input threads' warm-up (%d requests, one a thread) took %.2f s",
+                  len(prompts), seconds)
+        return seconds
 
     def prepare(self, request_id: str, prompt: dict, params) -> Future:
         """The request as vLLM's add_request would build it (a Future). A request for the
@@ -117,16 +147,26 @@ class InputFront:
                 return request
         return self._process(request_id, prompt, params)
 
+    def report(self) -> None:
+        """Logs how many requests were shared since the last report (a run's end) and
+        starts the next run afresh: its first request is processed in full."""
+        with self._lock:
+            totals = self.shared, self.unshared
+        shared, unshared = (n - before for n, before in zip(totals, self._reported))
+        self._reported = totals
+        self._last = None
+        if shared or unshared:
+            log.info("input threads: %d requests built from their page's first task's "
+                     "processing, %d processed in full", shared, unshared)
+
     def close(self) -> None:
-        """Stops the threads (what is queued is dropped) and says how many requests were
-        shared; once, whoever calls first (the generator's end or the engine's close)."""
+        """Stops the threads (what is queued is dropped) after a last report; once, whoever
+        calls first (the generator's end or the engine's close)."""
         if self.closed:
             return
         self.closed = True
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.shared or self.unshared:
-            log.info("input threads: %d requests built from their page's first task's "
-                     "processing, %d processed in full", self.shared, self.unshared)
+        self.report()
 
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
