@@ -238,12 +238,13 @@ class VllmEngine:
                         waiting = request
                         break
                     elif front is not None:
+                        first = ramp.first_taken is None
                         ramp.taken()
                         pages.take(request)
                         params = self.sampling_params(request.task, request.retry)
                         prepared = front.prepare(request.request_id,
                                                  self.vllm_prompt(request), params)
-                        if not preparing and ramp.first_processed is None:
+                        if first:
                             prepared.add_done_callback(ramp.processed)
                         preparing.append((request, prepared))
                     else:

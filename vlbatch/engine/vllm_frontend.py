@@ -85,7 +85,7 @@ class InputFront:
 
         futures = [self.pool.submit(process, i, prompt) for i, prompt in enumerate(prompts)]
         done, stalled = wait(futures, timeout=timeout_s)
-        failures = [f.exception() for f in done if f.exception() is not None]
+        failures = [e for e in (f.exception() for f in done) if e is not None]
         seconds = time.monotonic() - started
         if failures or stalled:
             together.abort()
