@@ -128,6 +128,20 @@ def test_engine_settings_reach_vllm_arguments(tmp_path):
     assert job.engine.compile_cache_dir == (tmp_path / "vllm-cache").resolve()
 
 
+def test_an_fp8_kv_cache_reaches_vllm_and_keys_answers_apart(tmp_path):
+    from vlbatch.engine.vllm_engine import engine_kwargs
+    from vlbatch.pipeline.identity import model_identity
+
+    plain = load_job(write(tmp_path, VALID))
+    fp8 = load_job(write(tmp_path, VALID + "engine:\n  kv_cache_dtype: fp8\n"))
+    assert "kv_cache_dtype" not in engine_kwargs(plain)  # unset: vLLM's own (the model's dtype)
+    assert engine_kwargs(fp8)["kv_cache_dtype"] == "fp8"
+    # an fp8 cache changes answers: they never share a result-cache key with bf16 ones
+    assert model_identity(fp8) != model_identity(plain)
+    with pytest.raises(JobFileError, match="kv_cache_dtype"):
+        load_job(write(tmp_path, VALID + "engine:\n  kv_cache_dtype: int3\n"))
+
+
 def test_a_model_folder_that_does_not_exist_is_said_before_anything_runs(tmp_path):
     from vlbatch.errors import JobCannotRunError
     from vlbatch.job import Job

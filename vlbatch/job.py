@@ -228,6 +228,11 @@ class EngineSettings(_Strict):
                        "config), bfloat16, float16, float32.")
     quantization: str | None = Field(default=None, description="vLLM's quantization method, "
                                      "e.g. 'fp8' (online); None: what the model's config says.")
+    kv_cache_dtype: Literal["fp8", "fp8_e4m3", "fp8_e5m2"] | None = Field(
+        default=None, description="The KV cache's dtype: 'fp8' stores keys and values in one "
+        "byte, twice the cached tokens in the same memory (more requests decoding at once when "
+        "the KV cache is what limits them, e.g. several questions a page on an 80 GB card); "
+        "answers are not bit-identical. None: the model's dtype.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one engine spreads "
                                       "the model over.")
     load_format: str = Field(default="auto", description="'dummy': the real architecture with "

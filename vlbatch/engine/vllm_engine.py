@@ -46,7 +46,8 @@ def engine_kwargs(job: Job) -> dict:
     optional = dict(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
                     gpu_memory_utilization=e.gpu_memory_utilization,
                     max_num_batched_tokens=e.max_num_batched_tokens,
-                    enable_prefix_caching=e.enable_prefix_caching, quantization=e.quantization)
+                    enable_prefix_caching=e.enable_prefix_caching, quantization=e.quantization,
+                    kv_cache_dtype=e.kv_cache_dtype)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if e.mm_tensor_ipc is not None:
         kwargs["mm_tensor_ipc"] = e.mm_tensor_ipc

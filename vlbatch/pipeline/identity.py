@@ -11,8 +11,8 @@ weights) or another dtype changes every answer under the same name. So the key h
   slow; a copied folder costs one regeneration, never a wrong answer);
 - a hub id: the id (a revision pushed upstream under the same id is not noticed: point
   `model:` at a local folder to have its files checked);
-- the engine settings that change numerics: load_format, dtype, quantization; and the pixel
-  budget the processor is given.
+- the engine settings that change numerics: load_format, dtype, quantization, kv_cache_dtype;
+  and the pixel budget the processor is given.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def model_identity(job: Job) -> str:
         else f"hub:{job.model}"
     parts = [files, f"load_format={e.load_format}", f"dtype={e.dtype}",
              f"quantization={e.quantization}", f"pixels={r.min_pixels}-{r.max_pixels}"]
+    if e.kv_cache_dtype is not None:  # unset: the keys answers already have stay as they were
+        parts.append(f"kv_cache_dtype={e.kv_cache_dtype}")
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 
