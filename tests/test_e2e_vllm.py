@@ -386,6 +386,25 @@ def test_a_pdf_only_pdfium_reads_gets_its_answers_and_the_pages_table_names_the_
     assert results.filter(pl.col("matched_path") == "docs/count0.pdf")["page"].to_list() == [1, 1]
 
 
+def test_an_fp8_kv_cache_runs_in_vllm_and_never_serves_the_model_dtypes_answers(
+        tiny_model, write_job, tmp_path):
+    """vLLM's CPU build takes `kv_cache_dtype: fp8`; its answers are new, not the cached ones
+    that the same model with its own KV cache dtype gave (the cache folder is shared)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "one.pdf", pages=1)
+    plain = job_fields(tiny_model, ["docs/*"], output="out-plain", cache="shared-cache")
+    fp8 = job_fields(tiny_model, ["docs/*"], output="out-fp8", cache="shared-cache")
+    fp8["engine"]["kv_cache_dtype"] = "fp8"
+    for fields, name in ((plain, "plain.yaml"), (fp8, "fp8.yaml")):
+        result = run_cli("run", str(write_job(fields, name)))
+        assert result.returncode == 0, result.stderr[-3000:]
+    first = pl.read_delta(str(tmp_path / "out-plain" / "results"))
+    second = pl.read_delta(str(tmp_path / "out-fp8" / "results"))
+    assert first.height == second.height == 2  # one page, two tasks
+    assert (second["status"] == "ok").all() and not second["cached"].any()
+
+
 def test_pixels_in_the_model_dtype_leave_a_bfloat16_models_answers_unchanged(tiny_model, write_job):
     """With a bfloat16 model the input threads hand the engine float32 pixel values in
     bfloat16 (half the bytes), the cast the model makes itself, and other pixels (0.32's
