@@ -49,12 +49,12 @@ case $STAGE in
     job /tmp/w3-fp8-s512 4 quantization=fp8 max_num_seqs=512
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
     step raw-vllm-defaults 320 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
-  vlbatch) step vlbatch-w1 180 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
+  vlbatch) step vlbatch-w1 260 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
-  w3) step vlbatch-w3 300 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
-  w1-fp8) step vlbatch-w1-fp8 200 $B vlbatch --job /tmp/w1-fp8/job.yaml --fresh ;;
-  w3-fp8) step vlbatch-w3-fp8 300 $B vlbatch --job /tmp/w3-fp8/job.yaml --fresh ;;
-  w3-kvfp8) step vlbatch-w3-kvfp8 300 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
+  w3) step vlbatch-w3 330 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
+  w1-fp8) step vlbatch-w1-fp8 260 $B vlbatch --job /tmp/w1-fp8/job.yaml --fresh ;;
+  w3-fp8) step vlbatch-w3-fp8 330 $B vlbatch --job /tmp/w3-fp8/job.yaml --fresh ;;
+  w3-kvfp8) step vlbatch-w3-kvfp8 330 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
   w3-fp8-s512) step vlbatch-w3-fp8-s512 300 $B vlbatch --job /tmp/w3-fp8-s512/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
   raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
