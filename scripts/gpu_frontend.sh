@@ -11,6 +11,8 @@
 #   bash scripts/gpu_frontend.sh w1-fp8 | w3-fp8   vlbatch W1 / W3 with engine.quantization fp8
 #   bash scripts/gpu_frontend.sh w3-fp8-s512    W3, fp8, engine.max_num_seqs 512
 #   bash scripts/gpu_frontend.sh w3-kvfp8       W3, engine.kv_cache_dtype fp8 (bf16 weights)
+#   bash scripts/gpu_frontend.sh w1-if128       W1, engine.max_in_flight 128: requests enter the
+#                                               engine as others finish, not in one burst
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh raw-w3         raw as shipped on W3 (4 prompts a page, a
 #                                               page's together): vLLM's own W3 rate
@@ -48,12 +50,14 @@ case $STAGE in
     job /tmp/w1-fp8 1 quantization=fp8; job /tmp/w3-fp8 4 quantization=fp8
     job /tmp/w3-fp8-s512 4 quantization=fp8 max_num_seqs=512
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
+    job /tmp/w1-if128 1 max_in_flight=128
     step raw-vllm-defaults 320 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 260 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
   w3) step vlbatch-w3 330 $B vlbatch --job /tmp/w3/job.yaml --fresh ;;
   w1-fp8) step vlbatch-w1-fp8 260 $B vlbatch --job /tmp/w1-fp8/job.yaml --fresh ;;
   w3-fp8) step vlbatch-w3-fp8 330 $B vlbatch --job /tmp/w3-fp8/job.yaml --fresh ;;
+  w1-if128) step vlbatch-w1-if128 260 $B vlbatch --job /tmp/w1-if128/job.yaml --fresh ;;
   w3-kvfp8) step vlbatch-w3-kvfp8 330 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
   w3-fp8-s512) step vlbatch-w3-fp8-s512 300 $B vlbatch --job /tmp/w3-fp8-s512/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
