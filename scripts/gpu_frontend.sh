@@ -9,7 +9,9 @@
 #   bash scripts/gpu_frontend.sh w1-fp32        vlbatch W1, pixels as the processor makes them
 #                                               (engine.pixels_in_model_dtype false)
 #   bash scripts/gpu_frontend.sh w1-fp8 | w3-fp8   vlbatch W1 / W3 with engine.quantization fp8
-#   bash scripts/gpu_frontend.sh w3-fp8-s512    W3, fp8, engine.max_num_seqs 512
+#   bash scripts/gpu_frontend.sh w3-fp8-kvfp8   W3, fp8 weights and fp8 KV cache (the most requests
+#                                               decoding at once; vLLM's max_num_seqs on H100/H200
+#                                               offline is 1024 already)
 #   bash scripts/gpu_frontend.sh w3-kvfp8       W3, engine.kv_cache_dtype fp8 (bf16 weights)
 #   bash scripts/gpu_frontend.sh w1-if128       W1, engine.max_in_flight 128: requests enter the
 #                                               engine as others finish, not in one burst
@@ -48,7 +50,7 @@ case $STAGE in
     job /tmp/w1-nocompile 1 compile_mm_encoder=false
     job /tmp/w1-bf16 1 pixels_in_model_dtype=true
     job /tmp/w1-fp8 1 quantization=fp8; job /tmp/w3-fp8 4 quantization=fp8
-    job /tmp/w3-fp8-s512 4 quantization=fp8 max_num_seqs=512
+    job /tmp/w3-fp8-kvfp8 4 quantization=fp8 kv_cache_dtype=fp8
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
     job /tmp/w1-if128 1 max_in_flight=128
     step raw-vllm-defaults 320 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
@@ -59,7 +61,7 @@ case $STAGE in
   w3-fp8) step vlbatch-w3-fp8 330 $B vlbatch --job /tmp/w3-fp8/job.yaml --fresh ;;
   w1-if128) step vlbatch-w1-if128 260 $B vlbatch --job /tmp/w1-if128/job.yaml --fresh ;;
   w3-kvfp8) step vlbatch-w3-kvfp8 330 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
-  w3-fp8-s512) step vlbatch-w3-fp8-s512 300 $B vlbatch --job /tmp/w3-fp8-s512/job.yaml --fresh ;;
+  w3-fp8-kvfp8) step vlbatch-w3-fp8-kvfp8 330 $B vlbatch --job /tmp/w3-fp8-kvfp8/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
   raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
   w1-bf16) step vlbatch-w1-bf16 200 $B vlbatch --job /tmp/w1-bf16/job.yaml --fresh ;;
