@@ -405,6 +405,33 @@ def test_an_fp8_kv_cache_runs_in_vllm_and_never_serves_the_model_dtypes_answers(
     assert (second["status"] == "ok").all() and not second["cached"].any()
 
 
+def test_a_pages_later_tasks_are_served_from_vllms_prefix_cache_and_the_run_says_so(
+        tiny_model, write_job, tmp_path):
+    """Several questions a page: the later tasks' prompts share the page's image with the
+    first's, and vLLM serves that part from its prefix cache. The run's summary (console and
+    manifest) counts those tokens as vLLM reports them; one question a page gets none."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    oddfiles.pdf(docs / "two.pdf", pages=2)
+    several = job_fields(tiny_model, ["docs/*"], output="out-several", cache="cache-several")
+    one = job_fields(tiny_model, ["docs/*"], output="out-one", cache="cache-one")
+    one["tasks"] = one["tasks"][:1]
+    for fields in (several, one):  # an image prefix longer than the CPU build's 128-token blocks
+        fields["render"].update(dpi=100, max_pixels=256 * 32 * 32)
+    summaries = {}
+    for fields, name in ((several, "several.yaml"), (one, "one.yaml")):
+        result = run_cli("run", str(write_job(fields, name)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "prompt tokens from vLLM's prefix cache" in result.stdout + result.stderr
+        manifest = json.loads(next((tmp_path / fields["output"] / "_runs").glob("*.json")).read_text())
+        summaries[name] = manifest["summary"]
+    several_s, one_s = summaries["several.yaml"], summaries["one.yaml"]
+    assert several_s["generated"] == 2 * one_s["generated"] >= 2
+    # each page's second task: at least one cached block of its image prefix
+    assert 0 < several_s["prompt_tokens_cached"] < several_s["prompt_tokens"] / 2
+    assert one_s["prompt_tokens_cached"] == 0 < one_s["prompt_tokens"]
+
+
 def test_pixels_in_the_model_dtype_leave_a_bfloat16_models_answers_unchanged(tiny_model, write_job):
     """With a bfloat16 model the input threads hand the engine float32 pixel values in
     bfloat16 (half the bytes), the cast the model makes itself, and other pixels (0.32's

@@ -285,3 +285,16 @@ def test_auto_where_the_last_cluster_has_stopped_fails_in_seconds(tmp_path, monk
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # RAY_ADDRESS, as Ray reads it
     with pytest.raises(JobCannotRunError, match=f"nothing answers at .*:{port}"):
         connect("auto")
+
+
+def test_an_answer_crosses_rays_blocks_whole():
+    """What a vLLM actor hands back (every field of the completion, the prefix-cache count
+    included) is what the writer side reads: Ray's blocks carry it as JSON."""
+    import dataclasses
+
+    from vlbatch.engine.base import Completion
+    from vlbatch.executor.ray_stages import answer_json, answer_of
+
+    done = Completion("k", "text", None, 300, 7, False, "length", 2, None, 256)
+    back = answer_of("k", json.loads(json.dumps(answer_json(done))))
+    assert dataclasses.asdict(back) == dataclasses.asdict(done)

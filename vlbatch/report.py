@@ -75,6 +75,14 @@ class ProgressReporter:
             log.info("pages %d/%d  %s", s.pages_finished, s.pages_todo, detail)
 
 
+def prefix_cache_share(s: RunStats) -> str:
+    """How much of the generated requests' prompts vLLM served from its prefix cache: a
+    page's later tasks reuse its image there, so several questions a page show up here."""
+    if not s.prompt_tokens:
+        return "-"
+    return f"{s.prompt_tokens_cached} of {s.prompt_tokens} ({100 * s.prompt_tokens_cached / s.prompt_tokens:.0f}%)"
+
+
 def summary_table(s: RunStats) -> Table:
     table = Table(title=f"run {s.run_id}", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -97,6 +105,7 @@ def summary_table(s: RunStats) -> Table:
         ("of them transient (the next run retries)", s.rows_transient),
         ("engine restarts", s.engine_restarts),
         ("pages with errors", s.pages_with_errors), ("output tokens", s.output_tokens),
+        ("prompt tokens from vLLM's prefix cache", prefix_cache_share(s)),
         ("engine start (s)", "-" if s.engine_start_s is None else f"{s.engine_start_s:.1f}"),
         ("seconds", f"{s.seconds:.1f}"), ("pages/s", f"{s.pages_per_s:.2f}"),
         ("pages/s while generating", "-" if not s.generation_s else

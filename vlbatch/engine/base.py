@@ -37,6 +37,8 @@ class Completion:
     finish_reason: str | None = None  # vLLM's: 'stop' (end of answer), 'length' (max_tokens)
     tries: int = 1  # generations it took (2: the first answer failed its review)
     error_output: str | None = None  # the text of an answer kept as an error (schema, loop)
+    # prompt tokens vLLM served from its prefix cache (a page's later tasks: its image)
+    cached_prompt_tokens: int | None = None
 
 
 class GenerationEngine(Protocol):

@@ -345,7 +345,8 @@ class VllmEngine:
         if first.finish_reason == "abort":
             return Completion(out.request_id, None, "request aborted by the engine", prompt_tokens)
         return Completion(out.request_id, first.text, None, prompt_tokens, len(first.token_ids),
-                          finish_reason=first.finish_reason)
+                          finish_reason=first.finish_reason,
+                          cached_prompt_tokens=getattr(out, "num_cached_tokens", None))
 
     def close(self) -> None:
         front = getattr(self, "_front", None)

@@ -97,13 +97,14 @@ def answer_json(done: Completion) -> dict:
     return {"text": done.text, "error": done.error, "rejected": done.rejected,
             "prompt_tokens": done.prompt_tokens, "output_tokens": done.output_tokens,
             "finish_reason": done.finish_reason, "tries": done.tries,
-            "error_output": done.error_output}
+            "error_output": done.error_output, "cached_prompt_tokens": done.cached_prompt_tokens}
 
 
 def answer_of(key: str, entry: dict) -> Completion:
     return Completion(key, entry["text"], entry["error"], entry["prompt_tokens"],
                       entry["output_tokens"], entry["rejected"], entry.get("finish_reason"),
-                      entry.get("tries", 1), entry.get("error_output"))
+                      entry.get("tries", 1), entry.get("error_output"),
+                      entry.get("cached_prompt_tokens"))
 
 
 def routed_of(text: str, job: Job) -> RoutedPage:

@@ -67,6 +67,7 @@ class RunStats:
     rows_retired: int = 0  # current rows retired: their file vanished, moved, shrank, broke
     pages_with_errors: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # of them, served from vLLM's prefix cache
     output_tokens: int = 0
     engine_start_s: float | None = None
     engine_device: str | None = None  # what the engine ran on: 'gpu', 'cpu' (vLLM's CPU build)
@@ -227,6 +228,7 @@ class RunSink:
             s.failed += 1
         s.retried += done.tries > 1
         s.prompt_tokens += done.prompt_tokens or 0
+        s.prompt_tokens_cached += done.cached_prompt_tokens or 0
         s.output_tokens += done.output_tokens or 0
         self.file_log.of(row.unit.source.abs_path).output_tokens += done.output_tokens or 0
         self._answer_row(row, done, None, cached=False)
