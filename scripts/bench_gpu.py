@@ -295,6 +295,7 @@ def run_vlbatch(args) -> dict:
             "pages_per_s": round(stats.pages_finished / stats.generation_s, 2),
             "requests_per_s": round(stats.generated / stats.generation_s, 2),
             "prompt_tokens_per_request": round(stats.prompt_tokens / max(stats.generated, 1), 1),
+            "prompt_tokens_cached": stats.prompt_tokens_cached,  # vLLM's prefix cache served
             "output_tokens": stats.output_tokens,
             "output_tokens_per_s": round(stats.output_tokens / stats.generation_s, 1),
             "retried": stats.retried, "bad_answers": stats.bad_answers,

@@ -423,8 +423,11 @@ def test_a_pages_later_tasks_are_served_from_vllms_prefix_cache_and_the_run_says
         result = run_cli("run", str(write_job(fields, name)))
         assert result.returncode == 0, result.stderr[-3000:]
         assert "prompt tokens from vLLM's prefix cache" in result.stdout + result.stderr
-        manifest = json.loads(next((tmp_path / fields["output"] / "_runs").glob("*.json")).read_text())
-        summaries[name] = manifest["summary"]
+        runs = tmp_path / fields["output"] / "_runs"
+        summaries[name] = json.loads(next(runs.glob("*.json")).read_text())["summary"]
+        share = round(100 * summaries[name]["prompt_tokens_cached"] / summaries[name]["prompt_tokens"])
+        assert (f"prompt tokens from prefix cache<b>{share}%</b>"
+                in next(runs.glob("*.html")).read_text())  # the run's report says it too
     several_s, one_s = summaries["several.yaml"], summaries["one.yaml"]
     assert several_s["generated"] == 2 * one_s["generated"] >= 2
     # each page's second task: at least one cached block of its image prefix

@@ -63,6 +63,9 @@ def _tiles(s: dict) -> str:
              ("of them transient", s.get("rows_transient")),
              ("pages/s", s.get("pages_per_s")), ("pages/s while generating", gen_rate),
              ("output tokens", s.get("output_tokens")), ("seconds", s.get("seconds"))]
+    if s.get("prompt_tokens"):  # a page's later tasks reuse its image in vLLM's prefix cache
+        tiles.append(("prompt tokens from prefix cache",
+                      f"{100 * s.get('prompt_tokens_cached', 0) / s['prompt_tokens']:.0f}%"))
     if s.get("engine_device") == "cpu":  # vLLM's CPU build: no GPU figures to give
         tiles.append(("engine ran on", "CPU, no GPU"))
     else:
