@@ -16,33 +16,46 @@ from vlbatch.job import Job
 
 
 class RecordingEngine:
-    """Finishes the oldest request at each step; records how many requests and pages it
-    held at once."""
+    """Each step, every request it holds makes a token; the oldest finishes. A request with
+    per-step outputs (params "each step", a page's lead) reports each token, the others
+    only their end, as vLLM's output kinds do. Records how many requests and pages it held
+    at once, and the order of what it was handed and reported."""
 
     def __init__(self, page_of: dict[str, int]):
         self.page_of = page_of
         self.held: list[str] = []
+        self.each_step: set[str] = set()
+        self.events: list[tuple[str, str]] = []  # ("added" | "output", request id)
         self.most_requests = self.most_pages = 0
 
     def add_request(self, request_id, prompt, params):
         self.held.append(request_id)
+        self.events.append(("added", request_id))
+        if params == "each step":
+            self.each_step.add(request_id)
         self.most_requests = max(self.most_requests, len(self.held))
         self.most_pages = max(self.most_pages, len({self.page_of[r] for r in self.held}))
 
     def step(self):
         done = self.held.pop(0)
-        return [SimpleNamespace(finished=True, request_id=done, prompt_token_ids=[1, 2],
-                                outputs=[SimpleNamespace(text=f"answer {done}", token_ids=[3],
-                                                         finish_reason="stop")])]
+        outputs = [SimpleNamespace(finished=False, request_id=r) for r in self.held
+                   if r in self.each_step]
+        outputs.append(SimpleNamespace(
+            finished=True, request_id=done, prompt_token_ids=[1, 2],
+            outputs=[SimpleNamespace(text=f"answer {done}", token_ids=[3],
+                                     finish_reason="stop")]))
+        self.events += [("output", o.request_id) for o in outputs]
+        return outputs
 
 
-def feed_engine(max_in_flight: int, tasks: int, pages: int):
+def feed_engine(max_in_flight: int, tasks: int, pages: int, share_image_prefix: bool = True):
     from vlbatch.engine.vllm_engine import VllmEngine
 
     job = Job.model_validate(job_fields("m", ["x/*"], tasks=[
         {"name": f"t{i}", "prompt": "p"} for i in range(tasks)]))
     job = job.model_copy(update={"engine": job.engine.model_copy(
-        update={"frontend_threads": 0, "max_in_flight": max_in_flight})})
+        update={"frontend_threads": 0, "max_in_flight": max_in_flight,
+                "share_image_prefix": share_image_prefix})})
     requests, page_of = [], {}
     for p in range(pages):
         image = Image.new("RGB", (8, 8), (p, 0, 0))  # one image object a page, as the pipeline
@@ -52,7 +65,8 @@ def feed_engine(max_in_flight: int, tasks: int, pages: int):
     engine = object.__new__(VllmEngine)
     engine.job, engine.max_in_flight, engine._pixels = job, max_in_flight, None
     engine._thread_failures = {}
-    engine.sampling_params = lambda task, retry=False: None
+    engine.sampling_params = lambda task, retry=False, lead=False: \
+        "each step" if lead else "at the end"
     engine.vllm_prompt = lambda request: {"prompt": request.text}
     fake = RecordingEngine(page_of)
     engine.llm = SimpleNamespace(llm_engine=fake)
@@ -61,13 +75,34 @@ def feed_engine(max_in_flight: int, tasks: int, pages: int):
 
 
 def test_max_in_flight_counts_a_page_once_however_many_tasks_ask_about_it():
-    fake, done, requests = feed_engine(max_in_flight=2, tasks=4, pages=5)
+    fake, done, requests = feed_engine(max_in_flight=2, tasks=4, pages=5,
+                                       share_image_prefix=False)
     assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
     assert all(c.text == f"answer {c.request_id}" for c in done)
     assert fake.most_pages == 2  # the bound, in pages
     assert fake.most_requests == 8  # a page's four tasks together, not split by the bound
     fake, done, _ = feed_engine(max_in_flight=3, tasks=1, pages=6)
     assert (fake.most_pages, fake.most_requests, len(done)) == (3, 3, 6)
+
+
+def test_a_pages_later_tasks_enter_once_its_first_task_has_an_output():
+    """prefix_gate.py: a page's first request has outputs at each step; the page's other
+    requests are handed to the engine only after its first output (its prefill done), in
+    order, and every request still ends once."""
+    fake, done, requests = feed_engine(max_in_flight=2, tasks=3, pages=4)
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
+    assert all(c.text == f"answer {c.request_id}" for c in done)
+    assert fake.each_step == {f"{p}-t0" for p in range(4)}  # the leads only
+    assert fake.most_pages == 2
+    added = [r for kind, r in fake.events if kind == "added"]
+    for p in range(4):
+        first_output = fake.events.index(("output", f"{p}-t0"))
+        later = [fake.events.index(("added", f"{p}-t{t}")) for t in (1, 2)]
+        assert all(at > first_output for at in later), (p, fake.events)
+        assert added.index(f"{p}-t1") < added.index(f"{p}-t2")
+    # off (or one task a page): a page's requests go in together, none with per-step outputs
+    fake, _, _ = feed_engine(max_in_flight=2, tasks=3, pages=4, share_image_prefix=False)
+    assert not fake.each_step and fake.events[:3] == [("added", f"0-t{t}") for t in range(3)]
 
 
 # the fields of vLLM's MultiModalFeatureSpec (a dataclass) that PixelsOnce reads
@@ -98,8 +133,16 @@ def test_pixels_are_left_out_only_right_after_the_core_received_that_image(monke
     assert send(make("a")) is True and send(make("a")) is True  # its later tasks do not
     assert send(make(None)) is None  # a text-only request leaves the core's cache as it was
     assert send(make("a")) is True
-    assert send(make("b")) is False and send(make("a")) is False  # "a" is no longer newest
-    assert pixels.sent_without == 3
+    # other pages' images in between: "a" is still held while the images since it and it
+    # fit half the core's cache (a margin); the oldest go first, as in the core's LRU
+    assert send(make("b")) is False and send(make("a")) is True  # "a" is newest again
+    for key in "cde":
+        assert send(make(key)) is False
+    assert send(make("a")) is True  # b, c, d, e, a: 500 bytes, half of 1000
+    assert send(make("f")) is False  # b leaves the mirror
+    assert send(make("b")) is False and send(make("c")) is False  # c left when b came back
+    assert send(make("a")) is True
+    assert pixels.sent_without == 6
     # a failed add: the data is put back and nothing is assumed
     r = make("a")
     stripped = pixels.strip(r)

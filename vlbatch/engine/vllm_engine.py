@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, wait
 
 from vlbatch.engine.base import Completion, Request
+from vlbatch.engine.prefix_gate import PrefixGate
 from vlbatch.engine.prompts import PromptBuilder
 from vlbatch.engine.vllm_frontend import InputFront, PixelsOnce, detach_processor_cache
 from vlbatch import library_chatter
@@ -80,7 +81,7 @@ class VllmEngine:
         self.max_in_flight = job.engine.max_in_flight
         # the processor may still be loading (a Future) while the engine starts
         self._prompts = prompts
-        self._params: dict[tuple[str, bool], object] = {}
+        self._params: dict[tuple[str, bool, bool], object] = {}
         self._thread_failures: dict[str, int] = {}  # exception name: count
         started = time.monotonic()
         try:
@@ -187,23 +188,25 @@ class VllmEngine:
             self._prompts = self._prompts.result()
         return self._prompts
 
-    def sampling_params(self, task: Task, retry: bool = False):
+    def sampling_params(self, task: Task, retry: bool = False, lead: bool = False):
         """The task's settings; a retry (its first answer looped or broke its schema) adds
-        the task's repetition penalty. A schema task's answers follow its JSON Schema."""
-        if (task.name, retry) not in self._params:
+        the task's repetition penalty. A schema task's answers follow its JSON Schema. A
+        page's lead (prefix_gate.py) has an output at each step, so its first is seen."""
+        if (task.name, retry, lead) not in self._params:
             from vllm import SamplingParams
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
             schema = task.answer_schema
             # only finished requests are read: without FINAL_ONLY (LLM.generate's setting)
             # vLLM builds an output per running request at every step on the feeding thread
-            self._params[task.name, retry] = SamplingParams(
+            self._params[task.name, retry, lead] = SamplingParams(
                 max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
                 seed=task.seed, ignore_eos=task.ignore_eos,
                 repetition_penalty=task.retry_repetition_penalty if retry else 1.0,
                 structured_outputs=StructuredOutputsParams(json=schema) if schema else None,
-                output_kind=RequestOutputKind.FINAL_ONLY)
-        return self._params[task.name, retry]
+                output_kind=RequestOutputKind.CUMULATIVE if lead
+                else RequestOutputKind.FINAL_ONLY)
+        return self._params[task.name, retry, lead]
 
     def vllm_prompt(self, request: Request) -> dict:
         return {"prompt": request.chat_prompt or self.prompts.chat_prompt(request.text),
@@ -219,8 +222,27 @@ class VllmEngine:
                 self._front = self._new_input_front()
             front = self._front
         in_flight: set[str] = set()
-        preparing: deque[tuple[Request, Future]] = deque()
+        preparing: deque[tuple[Request, Future, bool]] = deque()
         pages = PagesInFlight()
+        gate = PrefixGate(self.job.engine.share_image_prefix and len(self.job.tasks) > 1
+                          and self.job.engine.enable_prefix_caching is not False)
+
+        def enter(request: Request, prepared: Future | None, lead: bool) -> Completion | None:
+            """The request into the engine (or held for its page's lead); a Completion when
+            the engine refuses it."""
+            page = pages.page_of[request.request_id]
+            if not lead and gate.hold(page, (request, prepared)):
+                return None
+            done = self._add(engine, request, prepared, lead)
+            if done is None:
+                in_flight.add(request.request_id)
+                ramp.added()
+                if lead:
+                    gate.lead_added(request.request_id, page)
+            else:
+                pages.done(done.request_id)
+            return done
+
         sent_before = self._pixels.sent_without if self._pixels is not None else 0
         waiting = None  # a new page's request, taken while max_in_flight pages are in flight
         exhausted = False
@@ -241,39 +263,37 @@ class VllmEngine:
                     elif front is not None:
                         first = ramp.first_taken is None
                         ramp.taken()
+                        lead = gate.leads(pages.joins_last(request))
                         pages.take(request)
-                        params = self.sampling_params(request.task, request.retry)
+                        params = self.sampling_params(request.task, request.retry, lead)
                         prepared = front.prepare(request.request_id,
                                                  self.vllm_prompt(request), params)
                         if first:
                             prepared.add_done_callback(ramp.processed)
-                        preparing.append((request, prepared))
+                        preparing.append((request, prepared, lead))
                     else:
                         ramp.taken()
+                        lead = gate.leads(pages.joins_last(request))
                         pages.take(request)
-                        done = self._add(engine, request, None)
-                        if done is None:
-                            in_flight.add(request.request_id)
-                            ramp.added()
-                        else:
-                            pages.done(done.request_id)
+                        done = enter(request, None, lead)
+                        if done is not None:
                             yield done
                 if preparing and not in_flight:  # nothing to step: wait for the next one
                     wait([preparing[0][1]], timeout=IDLE_WAIT_S * 10)
                 while preparing and preparing[0][1].done():
-                    request, prepared = preparing.popleft()
-                    done = self._add(engine, request, prepared)
-                    if done is None:
-                        in_flight.add(request.request_id)
-                        ramp.added()
-                    else:
-                        pages.done(done.request_id)
+                    done = enter(*preparing.popleft())
+                    if done is not None:
                         yield done
                 if not in_flight:
                     if exhausted and not preparing:
                         return
                     continue
                 for out in engine.step():
+                    if gate.is_waited_on(out.request_id):  # the lead's prefill is done
+                        for request, prepared in gate.started(out.request_id):
+                            done = enter(request, prepared, False)
+                            if done is not None:
+                                yield done
                     if not out.finished:
                         continue
                     in_flight.discard(out.request_id)
@@ -284,6 +304,9 @@ class VllmEngine:
                 front.report()
             if ramp.first_taken is not None:
                 log.info("feed start: %s", ramp.describe())
+            if gate.held_total:
+                log.info("%d requests entered vLLM once their page's first task had begun to "
+                         "decode (its image's prefix cached)", gate.held_total)
             if self._pixels is not None and self._pixels.sent_without > sent_before:
                 log.info("%d requests sent to the engine core without their page's pixels "
                          "(it held them)", self._pixels.sent_without - sent_before)
@@ -293,10 +316,11 @@ class VllmEngine:
         return InputFront(self.llm.llm_engine, e.frontend_threads, e.frontend_torch_threads,
                           pixels_in_model_dtype=e.pixels_in_model_dtype)
 
-    def _add(self, engine, request: Request, prepared: Future | None) -> Completion | None:
+    def _add(self, engine, request: Request, prepared: Future | None,
+             lead: bool = False) -> Completion | None:
         """Add a request to the engine, processed by an input thread (`prepared`) or here;
         a Completion when it is refused (over-long prompt, bad image, ...)."""
-        params = self.sampling_params(request.task, request.retry)
+        params = self.sampling_params(request.task, request.retry, lead)
         processed = None
         if prepared is not None:
             try:

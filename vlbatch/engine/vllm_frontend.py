@@ -27,7 +27,7 @@ vLLM's front-end processor cache is taken off the renderer while these threads r
 is not made for concurrent use); its twin in the engine core (the receiver cache, which
 keeps the processed images it was sent, by hash) stays, and `PixelsOnce` uses it as vLLM's
 own front end does: a page's later requests go to the engine core without the image's
-pixels, which the core already holds (W3: one copy a page, not one a task).
+pixels, which the core still holds (W3: one copy a page, not one a task).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 log = logging.getLogger("vlbatch")
@@ -193,28 +194,32 @@ def detach_processor_cache(llm_engine) -> int:
 
 
 class PixelsOnce:
-    """A request whose image the engine core was just sent goes without the image's data.
+    """A request whose image the engine core still holds goes without the image's data.
 
     The engine core's receiver cache (vLLM's, `detach_processor_cache`) keeps each image it
     is sent, by hash, in an LRU of `capacity` bytes, and hands a request that comes without
     data the kept one (vLLM's own front end relies on the same). Requests reach the core in
-    the order they are added, so an image whose request was the last one added with an
-    image is its newest entry and cannot have been evicted: only then is the data left out
-    (a page's later tasks, which follow its first). Used on the thread that adds requests."""
+    the order they are added, so this mirrors that LRU: each image added, with its data or
+    without, moves to the newest end; the oldest leave once the images held pass half the
+    capacity (a margin: the core keeps at least what the mirror keeps). The data is left out
+    only for an image the mirror holds: a page's later tasks, which may enter after other
+    pages' first tasks (prefix_gate.py). Used on the thread that adds requests."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.last: str | None = None  # the key of the last image the core received
+        self.budget = capacity // 2
+        self.held: OrderedDict[str, int] = OrderedDict()  # image key: bytes, oldest first
+        self.held_bytes = 0
         self.sent_without = 0  # requests sent without their image's data
 
     def strip(self, request):
         """Leaves the image's data out of `request` where the core holds it; returns the
         features as they were (to put back if the add fails), else None."""
         features = request.mm_features
-        if not self.capacity or self.last is None or not features or len(features) != 1:
+        if not self.held or not features or len(features) != 1:
             return None
         feature = features[0]
-        if feature.data is None or _cache_key(feature) != self.last:
+        if feature.data is None or _cache_key(feature) not in self.held:
             return None
         request.mm_features = [dataclasses.replace(feature, data=None)]
         return features
@@ -225,15 +230,31 @@ class PixelsOnce:
         if request is None:
             self.forget()
             return
-        if stripped is not None:
-            self.sent_without += 1
-            return
         features = request.mm_features
         if not features:  # a text-only request leaves the core's cache as it was
             return
-        feature = features[0] if len(features) == 1 else None
-        self.last = _cache_key(feature) if feature is not None and feature.data is not None \
-            and self.capacity and _item_bytes(feature.data) * 2 <= self.capacity else None
+        if len(features) != 1:
+            self.forget()
+            return
+        key = _cache_key(features[0])
+        if stripped is not None:
+            self.sent_without += 1
+            self.held.move_to_end(key)
+            return
+        if features[0].data is None or key is None:
+            self.forget()
+            return
+        if key in self.held:  # the core already had it: it only moves to the newest end
+            self.held.move_to_end(key)
+            return
+        size = _item_bytes(features[0].data) if self.budget else self.budget + 1
+        if size > self.budget:
+            return
+        self.held[key] = size
+        self.held_bytes += size
+        while self.held_bytes > self.budget:
+            _, oldest = self.held.popitem(last=False)
+            self.held_bytes -= oldest
 
     def failed(self, request, stripped) -> None:
         """The add raised: the data is put back; nothing is assumed of the core's cache."""
@@ -242,8 +263,9 @@ class PixelsOnce:
         self.forget()
 
     def forget(self) -> None:
-        """Nothing is assumed of the core's cache: the next image goes with its data."""
-        self.last = None
+        """Nothing is assumed of the core's cache: each next image goes with its data."""
+        self.held.clear()
+        self.held_bytes = 0
 
 
 def _cache_key(feature) -> str | None:

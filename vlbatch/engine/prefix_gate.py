@@ -1,0 +1,69 @@
+"""A page's later tasks enter vLLM once the page's first task has begun to decode.
+
+Several questions about one page share its image in vLLM's prefix cache only if a later
+task's request is scheduled after the first task's image tokens hold KV blocks: vLLM looks
+the prefix up once, when a request leaves its waiting queue. Added together, a page's
+requests can leave the queue before any of the page's image blocks exists: when a step's
+encoder budget or cache has no room for an image, vLLM admits a waiting request with only
+the few tokens before its image, and once running it never looks again, so it computes the
+page's whole image prefix itself. Measured on vLLM's CPU build (60 pages of 1,280 image
+tokens, four tasks a page, added at once): 28% of prompt tokens came from the prefix
+cache, against the 74% that sharing gives (every later task's image); on an H100 with W3
+(400 pages), 8% (docs/benchmarks.md).
+
+So the page's first request (its lead) goes in alone, with per-step outputs (vLLM's
+CUMULATIVE kind, not FINAL_ONLY); its first output means its prefill is done and its blocks
+are cached, held by a running request. Only then do the page's other requests enter, and
+each finds the image's blocks. The engine stays busy meanwhile with other pages.
+"""
+
+from __future__ import annotations
+
+
+class PrefixGate:
+    """Which requests lead their page, and the requests held back until their lead's first
+    output. Used on the thread that adds requests and steps the engine."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._held: dict[str, list] = {}  # a lead in the engine, not yet decoding: its page's
+        self._lead_of: dict[int, str] = {}  # page: its lead while that lead is in _held
+        self._page_of: dict[str, int] = {}  # lead: its page
+        self.held_total = 0  # requests that waited for their lead
+
+    def leads(self, joins_last_page: bool) -> bool:
+        """Whether a request taken from the feed leads its page (it is the page's first)."""
+        return self.enabled and not joins_last_page
+
+    def lead_added(self, request_id: str, page: int) -> None:
+        """The lead is in the engine: its page's next requests wait for its first output."""
+        self._held[request_id] = []
+        self._lead_of[page] = request_id
+        self._page_of[request_id] = page
+
+    def hold(self, page: int, item) -> bool:
+        """Keeps `item` (a later request of `page`) back while the page's lead is not yet
+        decoding; False when it may enter now."""
+        lead = self._lead_of.get(page)
+        if lead is None:
+            return False
+        self._held[lead].append(item)
+        self.held_total += 1
+        return True
+
+    def is_waited_on(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def started(self, request_id: str) -> list:
+        """The lead gave an output (its prefill is done) or ended: what its page held back,
+        in the order it was taken, to enter now."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return []
+        page = self._page_of.pop(request_id)
+        if self._lead_of.get(page) == request_id:
+            del self._lead_of[page]
+        return held
+
+    def held_now(self) -> int:
+        return sum(len(held) for held in self._held.values())
