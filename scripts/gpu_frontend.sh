@@ -13,6 +13,8 @@
 #                                               decoding at once; vLLM's max_num_seqs on H100/H200
 #                                               offline is 1024 already)
 #   bash scripts/gpu_frontend.sh w3-kvfp8       W3, engine.kv_cache_dtype fp8 (bf16 weights)
+#   bash scripts/gpu_frontend.sh w3-noshare | w3-kvfp8-noshare   W3 with a page's tasks entering
+#                                               vLLM together (engine.share_image_prefix false)
 #   bash scripts/gpu_frontend.sh w1-if128       W1, engine.max_in_flight 128: requests enter the
 #                                               engine as others finish, not in one burst
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
@@ -53,6 +55,8 @@ case $STAGE in
     job /tmp/w3-fp8-kvfp8 4 quantization=fp8 kv_cache_dtype=fp8
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
     job /tmp/w1-if128 1 max_in_flight=128
+    job /tmp/w3-noshare 4 share_image_prefix=false
+    job /tmp/w3-kvfp8-noshare 4 kv_cache_dtype=fp8 share_image_prefix=false
     step raw-vllm-defaults 320 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 260 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
@@ -61,6 +65,8 @@ case $STAGE in
   w3-fp8) step vlbatch-w3-fp8 330 $B vlbatch --job /tmp/w3-fp8/job.yaml --fresh ;;
   w1-if128) step vlbatch-w1-if128 260 $B vlbatch --job /tmp/w1-if128/job.yaml --fresh ;;
   w3-kvfp8) step vlbatch-w3-kvfp8 330 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
+  w3-noshare) step vlbatch-w3-noshare 330 $B vlbatch --job /tmp/w3-noshare/job.yaml --fresh ;;
+  w3-kvfp8-noshare) step vlbatch-w3-kvfp8-noshare 330 $B vlbatch --job /tmp/w3-kvfp8-noshare/job.yaml --fresh ;;
   w3-fp8-kvfp8) step vlbatch-w3-fp8-kvfp8 330 $B vlbatch --job /tmp/w3-fp8-kvfp8/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
   raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
