@@ -463,8 +463,6 @@ def test_every_later_task_of_a_page_reuses_its_images_prefix_however_many_pages_
     assert summary["generated"] == pages * tasks
     # each later task: its page's 1,280 image tokens (the first task: none)
     assert summary["prompt_tokens_cached"] >= (tasks - 1) * pages * 1280
-    assert f"{(tasks - 1) * pages} requests entered vLLM once their page's first task" in \
-        result.stdout + result.stderr
 
 
 def test_pixels_in_the_model_dtype_leave_a_bfloat16_models_answers_unchanged(tiny_model, write_job):
