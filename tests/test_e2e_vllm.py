@@ -437,8 +437,9 @@ def test_a_pages_later_tasks_are_served_from_vllms_prefix_cache_and_the_run_says
 
 def test_every_later_task_of_a_page_reuses_its_images_prefix_however_many_pages_run_at_once(
         tiny_model, write_job, tmp_path):
-    """prefix_gate.py on vLLM's CPU build: 40 distinct pages of 1,280 image tokens, four
-    questions each, vLLM's GPU token budget (16,384 a step). Held until their page's first
+    """prefix_gate.py (`engine.share_image_prefix: true`) on vLLM's CPU build: 40 distinct
+    pages of 1,280 image tokens, four questions each, vLLM's GPU token budget (16,384 a
+    step). Held until their page's first
     task decodes, every later task finds all ten 128-token blocks of its page's image in
     vLLM's prefix cache. With `share_image_prefix: false` (a page's tasks together), 12 of
     the 120 later tasks computed their image prefix again on this machine (138,240 cached
@@ -456,7 +457,7 @@ def test_every_later_task_of_a_page_reuses_its_images_prefix_however_many_pages_
     fields = job_fields(tiny_model, ["pages/*"], tasks=[
         {"name": f"q{t}", "prompt": f"Question {t}?", "max_tokens": 4} for t in range(tasks)])
     fields["render"].update(max_pixels=1280 * 32 * 32)
-    fields["engine"].update(max_num_batched_tokens=16384)
+    fields["engine"].update(max_num_batched_tokens=16384, share_image_prefix=True)
     result = run_cli("run", str(write_job(fields)))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(next((tmp_path / "out" / "_runs").glob("*.json")).read_text())["summary"]

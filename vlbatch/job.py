@@ -268,11 +268,13 @@ class EngineSettings(_Strict):
     frontend_torch_threads: int = Field(default=2, ge=1, description="Torch threads each of "
                                         "those threads uses (OMP_NUM_THREADS for vLLM's "
                                         "input processing).")
-    share_image_prefix: bool = Field(default=True, description="A page's later tasks enter "
+    share_image_prefix: bool = Field(default=False, description="A page's later tasks enter "
                                      "vLLM once its first task has begun to decode, so each "
-                                     "finds the page's image in vLLM's prefix cache; false: a "
-                                     "page's tasks enter together, as vLLM's LLM.generate has "
-                                     "them (most then compute the image prefix again).")
+                                     "finds the page's image in vLLM's prefix cache (less "
+                                     "prefill); false: a page's tasks enter together, as "
+                                     "vLLM's LLM.generate has them. Off: on an H100, W3 with "
+                                     "256-token answers ran 0.92x as fast with it (docs/"
+                                     "benchmarks.md).")
     pixels_in_model_dtype: bool = Field(default=False, description="The input threads hand "
                                         "the engine a page's float32 pixel values in the model's "
                                         "dtype (bfloat16: half the bytes), the cast Qwen-VL "

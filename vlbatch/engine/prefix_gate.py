@@ -15,6 +15,13 @@ So the page's first request (its lead) goes in alone, with per-step outputs (vLL
 CUMULATIVE kind, not FINAL_ONLY); its first output means its prefill is done and its blocks
 are cached, held by a running request. Only then do the page's other requests enter, and
 each finds the image's blocks. The engine stays busy meanwhile with other pages.
+
+It is off by default (`engine.share_image_prefix`): on an H100 (2026-12-07, W3: 400 pages,
+four questions, 256 tokens each, fp8 KV cache) it had vLLM serve 1,494,048 prompt tokens
+from its prefix cache against 117,552, yet ran at 19.72 requests/s against 21.40, the GPU
+88% busy against 92%. That workload is bound by decoding; 337 of its 1,200 later tasks
+also went to the engine core with their pixels again, their page's image having left the
+mirrored half of vLLM's 4 GiB receiver cache while they waited (PixelsOnce).
 """
 
 from __future__ import annotations
