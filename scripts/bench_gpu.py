@@ -39,7 +39,7 @@ INVOICE_FIELDS = {"vendor": "string", "total": "number", "date": "date", "paid":
 
 def bench_tasks(args) -> list[dict]:
     if args.answers == "forced":
-        return [{"name": n, "prompt": p, "max_tokens": 256, "ignore_eos": True,
+        return [{"name": n, "prompt": p, "max_tokens": args.max_tokens, "ignore_eos": True,
                  "temperature": 0.0} for n, p in TASKS[:args.tasks]]
     task = {"name": "invoice", "prompt": INVOICE_PROMPT, "max_tokens": 256, "temperature": 0.0}
     return [{**task, "fields": INVOICE_FIELDS} if args.answers == "schema" else task]
@@ -327,6 +327,8 @@ def main() -> None:
                         help="forced: TASKS, 256 tokens each; free/schema: one invoice task "
                         "without/with its fields")
     parser.add_argument("--max-in-flight", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="tokens each forced answer has (job mode)")
     parser.add_argument("--engine", action="append", default=[],
                         help="job: an engine setting KEY=VALUE (YAML value), repeatable")
     parser.add_argument("--set", action="append", default=[],

@@ -13,8 +13,10 @@
 #                                               decoding at once; vLLM's max_num_seqs on H100/H200
 #                                               offline is 1024 already)
 #   bash scripts/gpu_frontend.sh w3-kvfp8       W3, engine.kv_cache_dtype fp8 (bf16 weights)
-#   bash scripts/gpu_frontend.sh w3-noshare | w3-kvfp8-noshare   W3 with a page's tasks entering
-#                                               vLLM together (engine.share_image_prefix false)
+#   bash scripts/gpu_frontend.sh w3-kvfp8-share W3, fp8 KV, a page's later tasks held for its
+#                                               first (engine.share_image_prefix true)
+#   bash scripts/gpu_frontend.sh w3-short | w3-short-share   W3 with 32-token answers (prefill
+#                                               bound), fp8 KV, without / with the hold
 #   bash scripts/gpu_frontend.sh w1-if128       W1, engine.max_in_flight 128: requests enter the
 #                                               engine as others finish, not in one burst
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
@@ -36,6 +38,7 @@ source "$(dirname "$0")/gpu_common.sh"
 job() {  # job WORK TASKS [ENGINE SETTING...]: a job file on the W1 pages
   local work=$1 tasks=$2; shift 2
   $B job --model "$MODEL" --pages-dir "${PAGES_DIR:-/tmp/w1-pages}" --work "$work" --tasks "$tasks" \
+    --max-tokens "${MAX_TOKENS:-256}" \
     $(for kv in "$@"; do echo --engine "$kv"; done) > /dev/null
 }
 case $STAGE in
@@ -55,8 +58,9 @@ case $STAGE in
     job /tmp/w3-fp8-kvfp8 4 quantization=fp8 kv_cache_dtype=fp8
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
     job /tmp/w1-if128 1 max_in_flight=128
-    job /tmp/w3-noshare 4 share_image_prefix=false
-    job /tmp/w3-kvfp8-noshare 4 kv_cache_dtype=fp8 share_image_prefix=false
+    job /tmp/w3-kvfp8-share 4 kv_cache_dtype=fp8 share_image_prefix=true
+    MAX_TOKENS=32 job /tmp/w3-short 4 kv_cache_dtype=fp8
+    MAX_TOKENS=32 job /tmp/w3-short-share 4 kv_cache_dtype=fp8 share_image_prefix=true
     step raw-vllm-defaults 320 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   vlbatch) step vlbatch-w1 260 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
   nothreads) step vlbatch-w1-nothreads 160 $B vlbatch --job /tmp/w1-nothreads/job.yaml --fresh ;;
@@ -65,8 +69,9 @@ case $STAGE in
   w3-fp8) step vlbatch-w3-fp8 330 $B vlbatch --job /tmp/w3-fp8/job.yaml --fresh ;;
   w1-if128) step vlbatch-w1-if128 260 $B vlbatch --job /tmp/w1-if128/job.yaml --fresh ;;
   w3-kvfp8) step vlbatch-w3-kvfp8 330 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
-  w3-noshare) step vlbatch-w3-noshare 330 $B vlbatch --job /tmp/w3-noshare/job.yaml --fresh ;;
-  w3-kvfp8-noshare) step vlbatch-w3-kvfp8-noshare 330 $B vlbatch --job /tmp/w3-kvfp8-noshare/job.yaml --fresh ;;
+  w3-kvfp8-share) step vlbatch-w3-kvfp8-share 330 $B vlbatch --job /tmp/w3-kvfp8-share/job.yaml --fresh ;;
+  w3-short) step vlbatch-w3-short 260 $B vlbatch --job /tmp/w3-short/job.yaml --fresh ;;
+  w3-short-share) step vlbatch-w3-short-share 260 $B vlbatch --job /tmp/w3-short-share/job.yaml --fresh ;;
   w3-fp8-kvfp8) step vlbatch-w3-fp8-kvfp8 330 $B vlbatch --job /tmp/w3-fp8-kvfp8/job.yaml --fresh ;;
   w1-fp32) step vlbatch-w1-fp32 180 $B vlbatch --job /tmp/w1-fp32/job.yaml --fresh ;;
   raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
