@@ -15,6 +15,9 @@
 #   bash scripts/gpu_frontend.sh w3-kvfp8       W3, engine.kv_cache_dtype fp8 (bf16 weights)
 #   bash scripts/gpu_frontend.sh w3-kvfp8-share W3, fp8 KV, a page's later tasks held for its
 #                                               first (engine.share_image_prefix true)
+#   bash scripts/gpu_frontend.sh w3-kvfp8-share-s512   the same, at most 512 requests running
+#                                               (vLLM's largest CUDA graph: decode batches above
+#                                               it run without graphs)
 #   bash scripts/gpu_frontend.sh w3-short | w3-short-share   W3 with 32-token answers (prefill
 #                                               bound), fp8 KV, without / with the hold
 #   bash scripts/gpu_frontend.sh w1-if128       W1, engine.max_in_flight 128: requests enter the
@@ -59,6 +62,7 @@ case $STAGE in
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
     job /tmp/w1-if128 1 max_in_flight=128
     job /tmp/w3-kvfp8-share 4 kv_cache_dtype=fp8 share_image_prefix=true
+    job /tmp/w3-kvfp8-share-s512 4 kv_cache_dtype=fp8 share_image_prefix=true max_num_seqs=512
     MAX_TOKENS=32 job /tmp/w3-short 4 kv_cache_dtype=fp8
     MAX_TOKENS=32 job /tmp/w3-short-share 4 kv_cache_dtype=fp8 share_image_prefix=true
     step raw-vllm-defaults 320 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
@@ -70,6 +74,7 @@ case $STAGE in
   w1-if128) step vlbatch-w1-if128 260 $B vlbatch --job /tmp/w1-if128/job.yaml --fresh ;;
   w3-kvfp8) step vlbatch-w3-kvfp8 330 $B vlbatch --job /tmp/w3-kvfp8/job.yaml --fresh ;;
   w3-kvfp8-share) step vlbatch-w3-kvfp8-share 330 $B vlbatch --job /tmp/w3-kvfp8-share/job.yaml --fresh ;;
+  w3-kvfp8-share-s512) step vlbatch-w3-kvfp8-share-s512 330 $B vlbatch --job /tmp/w3-kvfp8-share-s512/job.yaml --fresh ;;
   w3-short) step vlbatch-w3-short 260 $B vlbatch --job /tmp/w3-short/job.yaml --fresh ;;
   w3-short-share) step vlbatch-w3-short-share 260 $B vlbatch --job /tmp/w3-short-share/job.yaml --fresh ;;
   w3-fp8-kvfp8) step vlbatch-w3-fp8-kvfp8 330 $B vlbatch --job /tmp/w3-fp8-kvfp8/job.yaml --fresh ;;
