@@ -71,6 +71,3 @@ class PrefixGate:
         if self._lead_of.get(page) == request_id:
             del self._lead_of[page]
         return held
-
-    def held_now(self) -> int:
-        return sum(len(held) for held in self._held.values())
