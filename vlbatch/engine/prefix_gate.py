@@ -33,9 +33,9 @@ class PrefixGate:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._held: dict[str, list] = {}  # a lead in the engine, not yet decoding: its page's
+        # a lead in the engine, not yet decoding: its page and the page's requests held back
+        self._held: dict[str, tuple[int, list]] = {}
         self._lead_of: dict[int, str] = {}  # page: its lead while that lead is in _held
-        self._page_of: dict[str, int] = {}  # lead: its page
         self.held_total = 0  # requests that waited for their lead
 
     def leads(self, joins_last_page: bool) -> bool:
@@ -44,9 +44,8 @@ class PrefixGate:
 
     def lead_added(self, request_id: str, page: int) -> None:
         """The lead is in the engine: its page's next requests wait for its first output."""
-        self._held[request_id] = []
+        self._held[request_id] = (page, [])
         self._lead_of[page] = request_id
-        self._page_of[request_id] = page
 
     def hold(self, page: int, item) -> bool:
         """Keeps `item` (a later request of `page`) back while the page's lead is not yet
@@ -54,7 +53,7 @@ class PrefixGate:
         lead = self._lead_of.get(page)
         if lead is None:
             return False
-        self._held[lead].append(item)
+        self._held[lead][1].append(item)
         self.held_total += 1
         return True
 
@@ -64,10 +63,8 @@ class PrefixGate:
     def started(self, request_id: str) -> list:
         """The lead gave an output (its prefill is done) or ended: what its page held back,
         in the order it was taken, to enter now."""
-        held = self._held.pop(request_id, None)
-        if held is None:
+        if request_id not in self._held:
             return []
-        page = self._page_of.pop(request_id)
-        if self._lead_of.get(page) == request_id:
-            del self._lead_of[page]
+        page, held = self._held.pop(request_id)
+        del self._lead_of[page]
         return held

@@ -206,8 +206,7 @@ class PixelsOnce:
     pages' first tasks (prefix_gate.py). Used on the thread that adds requests."""
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.budget = capacity // 2
+        self.budget = capacity // 2  # of the core's `capacity` bytes (the margin)
         self.held: OrderedDict[str, int] = OrderedDict()  # image key: bytes, oldest first
         self.held_bytes = 0
         self.sent_without = 0  # requests sent without their image's data
@@ -247,8 +246,8 @@ class PixelsOnce:
         if key in self.held:  # the core already had it: it only moves to the newest end
             self.held.move_to_end(key)
             return
-        size = _item_bytes(features[0].data) if self.budget else self.budget + 1
-        if size > self.budget:
+        size = _item_bytes(features[0].data) if self.budget else 0
+        if not 0 < size <= self.budget:  # no cache, or one the core would not keep it in
             return
         self.held[key] = size
         self.held_bytes += size
