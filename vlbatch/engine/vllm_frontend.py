@@ -206,7 +206,8 @@ class PixelsOnce:
     pages' first tasks (prefix_gate.py). Used on the thread that adds requests."""
 
     def __init__(self, capacity: int):
-        self.budget = capacity // 2  # of the core's `capacity` bytes (the margin)
+        self.capacity = capacity  # bytes the engine core's receiver cache keeps
+        self.budget = capacity // 2  # what the mirror keeps (the margin)
         self.held: OrderedDict[str, int] = OrderedDict()  # image key: bytes, oldest first
         self.held_bytes = 0
         self.sent_without = 0  # requests sent without their image's data
