@@ -48,14 +48,16 @@ class RecordingEngine:
         return outputs
 
 
-def feed_engine(max_in_flight: int, tasks: int, pages: int, share_image_prefix: bool = True):
+def feed_engine(max_in_flight: int, tasks: int, pages: int, share_image_prefix: bool = True,
+                max_pages_starting: int = 32):
     from vlbatch.engine.vllm_engine import VllmEngine
 
     job = Job.model_validate(job_fields("m", ["x/*"], tasks=[
         {"name": f"t{i}", "prompt": "p"} for i in range(tasks)]))
     job = job.model_copy(update={"engine": job.engine.model_copy(
         update={"frontend_threads": 0, "max_in_flight": max_in_flight,
-                "share_image_prefix": share_image_prefix})})
+                "share_image_prefix": share_image_prefix,
+                "max_pages_starting": max_pages_starting})})
     requests, page_of = [], {}
     for p in range(pages):
         image = Image.new("RGB", (8, 8), (p, 0, 0))  # one image object a page, as the pipeline
@@ -103,6 +105,22 @@ def test_a_pages_later_tasks_enter_once_its_first_task_has_an_output():
     # off (or one task a page): a page's requests go in together, none with per-step outputs
     fake, _, _ = feed_engine(max_in_flight=2, tasks=3, pages=4, share_image_prefix=False)
     assert not fake.each_step and fake.events[:3] == [("added", f"0-t{t}") for t in range(3)]
+
+
+def test_a_new_page_waits_while_max_pages_starting_leads_have_no_output():
+    """With the hold, at most max_pages_starting leads are in the engine without an output,
+    so a page's later tasks queue behind few other pages; max_in_flight still bounds pages."""
+    fake, done, requests = feed_engine(max_in_flight=8, tasks=2, pages=6, max_pages_starting=2)
+    assert len(done) == len(requests) == 12
+    leads = {f"{p}-t0" for p in range(6)}
+    most, added, output = 0, set(), set()
+    for kind, r in fake.events:
+        (added if kind == "added" else output).add(r)
+        most = max(most, len((added & leads) - output))
+    assert most == 2
+    # the bound is what held them: without it all six leads are in before any output
+    fake, _, _ = feed_engine(max_in_flight=8, tasks=2, pages=6, max_pages_starting=32)
+    assert [r for kind, r in fake.events[:6]] == [f"{p}-t0" for p in range(6)]
 
 
 # the fields of vLLM's MultiModalFeatureSpec (a dataclass) that PixelsOnce reads

@@ -275,6 +275,11 @@ class EngineSettings(_Strict):
                                      "vLLM's LLM.generate has them. Off: on an H100, W3 with "
                                      "256-token answers ran 0.92x as fast with it (docs/"
                                      "benchmarks.md).")
+    max_pages_starting: int = Field(default=32, ge=1, description="With share_image_prefix: "
+                                    "pages whose first task is in vLLM and not yet decoding; "
+                                    "a next page waits past this many, so a page's later tasks "
+                                    "queue behind few others and are scheduled while its first "
+                                    "task still holds the image's KV blocks.")
     pixels_in_model_dtype: bool = Field(default=False, description="The input threads hand "
                                         "the engine a page's float32 pixel values in the model's "
                                         "dtype (bfloat16: half the bytes), the cast Qwen-VL "

@@ -16,6 +16,11 @@ CUMULATIVE kind, not FINAL_ONLY); its first output means its prefill is done and
 are cached, held by a running request. Only then do the page's other requests enter, and
 each finds the image's blocks. The engine stays busy meanwhile with other pages.
 
+A new page waits while `engine.max_pages_starting` leads are in vLLM without an output.
+Unbounded, every page's lead queued at once ahead of all later tasks (vLLM schedules first
+come, first served): the KV cache filled with leads, each holding a whole image, and a
+page's later tasks ran only after its lead had finished, its blocks evicted or not.
+
 It is off by default (`engine.share_image_prefix`): on an H100 (2026-12-07, W3: 400 pages,
 four questions, 256 tokens each, fp8 KV cache) it had vLLM serve 1,494,048 prompt tokens
 from its prefix cache against 117,552, yet ran at 19.72 requests/s against 21.40, the GPU
@@ -31,8 +36,10 @@ class PrefixGate:
     """Which requests lead their page, and the requests held back until their lead's first
     output. Used on the thread that adds requests and steps the engine."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, max_starting: int):
         self.enabled = enabled
+        self.max_starting = max_starting
+        self.starting = 0  # leads taken from the feed whose first output has not come
         # a lead in the engine, not yet decoding: its page and the page's requests held back
         self._held: dict[str, tuple[int, list]] = {}
         self._lead_of: dict[int, str] = {}  # page: its lead while that lead is in _held
@@ -40,7 +47,19 @@ class PrefixGate:
 
     def leads(self, joins_last_page: bool) -> bool:
         """Whether a request taken from the feed leads its page (it is the page's first)."""
-        return self.enabled and not joins_last_page
+        lead = self.enabled and not joins_last_page
+        self.starting += lead
+        return lead
+
+    def full(self) -> bool:
+        """Whether a new page waits: max_starting pages' leads are not yet decoding. Few
+        leads queue in vLLM ahead of a page's later tasks, so those are scheduled while the
+        lead still holds its image's blocks, and they take little KV cache of their own."""
+        return self.enabled and self.starting >= self.max_starting
+
+    def refused(self) -> None:
+        """The engine refused a lead: its page's later tasks enter as they come."""
+        self.starting -= 1
 
     def lead_added(self, request_id: str, page: int) -> None:
         """The lead is in the engine: its page's next requests wait for its first output."""
@@ -66,5 +85,6 @@ class PrefixGate:
         if request_id not in self._held:
             return []
         page, held = self._held.pop(request_id)
+        self.starting -= 1
         del self._lead_of[page]
         return held

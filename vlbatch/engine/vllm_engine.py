@@ -225,7 +225,8 @@ class VllmEngine:
         preparing: deque[tuple[Request, Future, bool]] = deque()
         pages = PagesInFlight()
         gate = PrefixGate(self.job.engine.share_image_prefix and len(self.job.tasks) > 1
-                          and self.job.engine.enable_prefix_caching is not False)
+                          and self.job.engine.enable_prefix_caching is not False,
+                          self.job.engine.max_pages_starting)
 
         def enter(request: Request, prepared: Future | None, lead: bool) -> Completion | None:
             """The request into the engine (or held for its page's lead); a Completion when
@@ -241,6 +242,8 @@ class VllmEngine:
                     gate.lead_added(request.request_id, page)
             else:
                 pages.done(done.request_id)
+                if lead:
+                    gate.refused()
             return done
 
         sent_before = self._pixels.sent_without if self._pixels is not None else 0
@@ -257,7 +260,8 @@ class VllmEngine:
                         if in_flight or preparing:
                             break
                         time.sleep(IDLE_WAIT_S)
-                    elif not pages.joins_last(request) and len(pages) >= self.max_in_flight:
+                    elif not pages.joins_last(request) and (len(pages) >= self.max_in_flight
+                                                            or gate.full()):
                         waiting = request
                         break
                     elif front is not None:
