@@ -268,18 +268,19 @@ class EngineSettings(_Strict):
     frontend_torch_threads: int = Field(default=2, ge=1, description="Torch threads each of "
                                         "those threads uses (OMP_NUM_THREADS for vLLM's "
                                         "input processing).")
-    share_image_prefix: bool = Field(default=False, description="A page's later tasks enter "
+    share_image_prefix: bool = Field(default=True, description="A page's later tasks enter "
                                      "vLLM once its first task has begun to decode, so each "
                                      "finds the page's image in vLLM's prefix cache (less "
-                                     "prefill); false: a page's tasks enter together, as "
-                                     "vLLM's LLM.generate has them. Off: on an H100, W3 with "
-                                     "256-token answers ran 0.92x as fast with it (docs/"
-                                     "benchmarks.md).")
-    max_pages_starting: int = Field(default=32, ge=1, description="With share_image_prefix: "
+                                     "prefill, less KV cache); false: a page's tasks enter "
+                                     "together, as vLLM's LLM.generate has them. On an H100, "
+                                     "W3 ran 1.20x as fast with it (docs/benchmarks.md).")
+    max_pages_starting: int = Field(default=64, ge=1, description="With share_image_prefix: "
                                     "pages whose first task is in vLLM and not yet decoding; "
                                     "a next page waits past this many, so a page's later tasks "
                                     "queue behind few others and are scheduled while its first "
-                                    "task still holds the image's KV blocks.")
+                                    "task still holds the image's KV blocks. On an H100 (218,768 "
+                                    "KV tokens, 1,280-token pages): 64 fastest; 32 0.93x, 128 "
+                                    "0.64x of it (docs/benchmarks.md).")
     pixels_in_model_dtype: bool = Field(default=False, description="The input threads hand "
                                         "the engine a page's float32 pixel values in the model's "
                                         "dtype (bfloat16: half the bytes), the cast Qwen-VL "

@@ -19,14 +19,14 @@ each finds the image's blocks. The engine stays busy meanwhile with other pages.
 A new page waits while `engine.max_pages_starting` leads are in vLLM without an output.
 Unbounded, every page's lead queued at once ahead of all later tasks (vLLM schedules first
 come, first served): the KV cache filled with leads, each holding a whole image, and a
-page's later tasks ran only after its lead had finished, its blocks evicted or not.
+page's later tasks could wait until its lead had finished, its blocks evicted or not.
 
-It is off by default (`engine.share_image_prefix`): on an H100 (2026-12-07, W3: 400 pages,
-four questions, 256 tokens each, fp8 KV cache) it had vLLM serve 1,494,048 prompt tokens
-from its prefix cache against 117,552, yet ran at 19.72 requests/s against 21.40, the GPU
-88% busy against 92%. That workload is bound by decoding; 337 of its 1,200 later tasks
-also went to the engine core with their pixels again, their page's image having left the
-mirrored half of vLLM's 4 GiB receiver cache while they waited (PixelsOnce).
+On an H100 (2026-12-07, W3: 400 pages, four questions, 256 tokens each, fp8 KV cache of
+218,768 tokens) it ran 28.32 requests/s with at most 64 leads starting, against 23.56 with a
+page's tasks together (1.20x); vLLM served 1,448,544 prompt tokens from its prefix cache
+against 193,392. The bound matters: 32 gave 26.40, 128 gave 18.22 (327 later tasks sent
+their pixels again: their image had left the mirrored half of vLLM's receiver cache while
+they waited, PixelsOnce), and with no bound (a session before) it ran 0.92x of together.
 """
 
 from __future__ import annotations
