@@ -15,10 +15,10 @@
 #   bash scripts/gpu_frontend.sh w3-kvfp8       W3, engine.kv_cache_dtype fp8 (bf16 weights)
 #   bash scripts/gpu_frontend.sh w3-kvfp8-share W3, fp8 KV, a page's later tasks held for its
 #                                               first (engine.share_image_prefix true), at most
-#                                               32 pages' firsts not yet decoding (the default)
-#   bash scripts/gpu_frontend.sh w3-kvfp8-share-k64 | w3-kvfp8-share-k512   the same with
-#                                               engine.max_pages_starting 64 / 512 (512: no bound
-#                                               on 400 pages, as on 2026-12-07)
+#                                               32 pages' firsts not yet decoding
+#   bash scripts/gpu_frontend.sh w3-kvfp8-share-k64 | -k128 | -k512   the same with
+#                                               engine.max_pages_starting 64 (the default) / 128 /
+#                                               512 (no bound on 400 pages, as on 2026-12-07 12:00)
 #   bash scripts/gpu_frontend.sh w3-kvfp8-share-s512   the same, at most 512 requests running
 #                                               (vLLM's largest CUDA graph: decode batches above
 #                                               it run without graphs)
@@ -68,6 +68,7 @@ case $STAGE in
     job /tmp/w3-kvfp8-share 4 kv_cache_dtype=fp8 share_image_prefix=true
     job /tmp/w3-kvfp8-share-s512 4 kv_cache_dtype=fp8 share_image_prefix=true max_num_seqs=512
     job /tmp/w3-kvfp8-share-k64 4 kv_cache_dtype=fp8 share_image_prefix=true max_pages_starting=64
+    job /tmp/w3-kvfp8-share-k128 4 kv_cache_dtype=fp8 share_image_prefix=true max_pages_starting=128
     job /tmp/w3-kvfp8-share-k512 4 kv_cache_dtype=fp8 share_image_prefix=true max_pages_starting=512
     MAX_TOKENS=32 job /tmp/w3-short 4 kv_cache_dtype=fp8
     MAX_TOKENS=32 job /tmp/w3-short-share 4 kv_cache_dtype=fp8 share_image_prefix=true
@@ -82,6 +83,7 @@ case $STAGE in
   w3-kvfp8-share) step vlbatch-w3-kvfp8-share 330 $B vlbatch --job /tmp/w3-kvfp8-share/job.yaml --fresh ;;
   w3-kvfp8-share-s512) step vlbatch-w3-kvfp8-share-s512 330 $B vlbatch --job /tmp/w3-kvfp8-share-s512/job.yaml --fresh ;;
   w3-kvfp8-share-k64) step vlbatch-w3-kvfp8-share-k64 330 $B vlbatch --job /tmp/w3-kvfp8-share-k64/job.yaml --fresh ;;
+  w3-kvfp8-share-k128) step vlbatch-w3-kvfp8-share-k128 330 $B vlbatch --job /tmp/w3-kvfp8-share-k128/job.yaml --fresh ;;
   w3-kvfp8-share-k512) step vlbatch-w3-kvfp8-share-k512 330 $B vlbatch --job /tmp/w3-kvfp8-share-k512/job.yaml --fresh ;;
   w3-short) step vlbatch-w3-short 260 $B vlbatch --job /tmp/w3-short/job.yaml --fresh ;;
   w3-short-share) step vlbatch-w3-short-share 260 $B vlbatch --job /tmp/w3-short-share/job.yaml --fresh ;;
