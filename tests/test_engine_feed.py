@@ -49,7 +49,7 @@ class RecordingEngine:
 
 
 def feed_engine(max_in_flight: int, tasks: int, pages: int, share_image_prefix: bool = True,
-                max_pages_starting: int = 32):
+                max_pages_starting: int = 32, requests_a_page: int | None = None):
     from vlbatch.engine.vllm_engine import VllmEngine
 
     job = Job.model_validate(job_fields("m", ["x/*"], tasks=[
@@ -61,8 +61,9 @@ def feed_engine(max_in_flight: int, tasks: int, pages: int, share_image_prefix: 
     requests, page_of = [], {}
     for p in range(pages):
         image = Image.new("RGB", (8, 8), (p, 0, 0))  # one image object a page, as the pipeline
-        for task in job.tasks:
-            requests.append(Request(f"{p}-{task.name}", image, "q", task))
+        for task in job.tasks[:requests_a_page]:  # None: all the job's tasks
+            requests.append(Request(f"{p}-{task.name}", image, "q", task,
+                                    page_requests=requests_a_page or len(job.tasks)))
             page_of[f"{p}-{task.name}"] = p
     engine = object.__new__(VllmEngine)
     engine.job, engine.max_in_flight, engine._pixels = job, max_in_flight, None
@@ -102,6 +103,9 @@ def test_a_pages_later_tasks_enter_once_its_first_task_has_an_output():
         later = [fake.events.index(("added", f"{p}-t{t}")) for t in (1, 2)]
         assert all(at > first_output for at in later), (p, fake.events)
         assert added.index(f"{p}-t1") < added.index(f"{p}-t2")
+    # a page with one request to generate (its other answers cached): no per-step outputs
+    fake, done, _ = feed_engine(max_in_flight=2, tasks=3, pages=4, requests_a_page=1)
+    assert len(done) == 4 and not fake.each_step
     # off (or one task a page): a page's requests go in together, none with per-step outputs
     fake, _, _ = feed_engine(max_in_flight=2, tasks=3, pages=4, share_image_prefix=False)
     assert not fake.each_step and fake.events[:3] == [("added", f"0-t{t}") for t in range(3)]

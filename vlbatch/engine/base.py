@@ -24,6 +24,9 @@ class Request:
     chat_prompt: str | None = None  # the text in the model's chat template; None: the
     # engine applies it (the local route thread does, so the engine's thread need not)
     retry: bool = False  # generated once more after a failed review: the task's retry settings
+    # the page's requests handed over with this one (its tasks to generate, this one included);
+    # only where > 1 does the page's first get per-step outputs and hold the rest (prefix_gate.py)
+    page_requests: int = 1
 
 
 @dataclass

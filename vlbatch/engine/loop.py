@@ -176,7 +176,8 @@ class EngineLoop:
         if problem is None:
             return done
         if retry is None:  # once more, with the task's retry settings
-            again = replace(entry[1], request_id=done.request_id + RETRY_SUFFIX, retry=True)
+            again = replace(entry[1], request_id=done.request_id + RETRY_SUFFIX, retry=True,
+                            page_requests=1)
             self.retrying[again.request_id] = again
             self.retries.append(again)
             return None

@@ -45,9 +45,10 @@ class PrefixGate:
         self._lead_of: dict[int, str] = {}  # page: its lead while that lead is in _held
         self.held_total = 0  # requests that waited for their lead
 
-    def leads(self, joins_last_page: bool) -> bool:
-        """Whether a request taken from the feed leads its page (it is the page's first)."""
-        lead = self.enabled and not joins_last_page
+    def leads(self, joins_last_page: bool, page_requests: int) -> bool:
+        """Whether a request taken from the feed leads its page: the first of a page with
+        others to follow (a page's only request needs no per-step outputs)."""
+        lead = self.enabled and not joins_last_page and page_requests > 1
         self.starting += lead
         return lead
 

@@ -267,7 +267,7 @@ class VllmEngine:
                     elif front is not None:
                         first = ramp.first_taken is None
                         ramp.taken()
-                        lead = gate.leads(pages.joins_last(request))
+                        lead = gate.leads(pages.joins_last(request), request.page_requests)
                         pages.take(request)
                         params = self.sampling_params(request.task, request.retry, lead)
                         prepared = front.prepare(request.request_id,
@@ -277,7 +277,7 @@ class VllmEngine:
                         preparing.append((request, prepared, lead))
                     else:
                         ramp.taken()
-                        lead = gate.leads(pages.joins_last(request))
+                        lead = gate.leads(pages.joins_last(request), request.page_requests)
                         pages.take(request)
                         done = enter(request, None, lead)
                         if done is not None:

@@ -114,7 +114,8 @@ class LocalExecutor:
                         asked = True
                     for r in requests:
                         future = engine.result().submit(Request(
-                            r.key, outcome.image(), r.prompt, r.task, chat_prompt(r.prompt)))
+                            r.key, outcome.image(), r.prompt, r.task, chat_prompt(r.prompt),
+                            page_requests=len(requests)))
                         future.add_done_callback(lambda f: events.put(("done", f.result())))
             except Exception as e:  # a bug, or the engine could not start: the main thread says
                 events.put(("route_failed", e))

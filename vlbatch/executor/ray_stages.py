@@ -213,12 +213,14 @@ class GeneratePages:
             if row["rgb"] is None:
                 continue
             image = outcome_of(row).image()
+            generating = sum(route["action"] == "generate" for route in routes["tasks"])
             for route in routes["tasks"]:
                 if route["action"] == "generate":
                     # the page in the id (a fresh one each time: a retried block never
                     # meets its first attempt's ids); answers go back by route, not by id
                     request = Request(f"{row['order']}-{route['task']}-{uuid.uuid4().hex[:8]}", image,
-                                      route.pop("prompt"), self.tasks[route["task"]])
+                                      route.pop("prompt"), self.tasks[route["task"]],
+                                      page_requests=generating)
                     waiting.append((route, self.loop.submit(request)))
         for route, future in waiting:
             route["answer"] = answer_json(future.result())
