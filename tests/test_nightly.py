@@ -97,7 +97,17 @@ def test_sigterm_writes_the_finished_rows_and_the_next_run_completes(tiny_model,
                 seen = len(cache)
     assert not list((out / "results").glob("part-*.parquet")), "a part was written early"
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        exited = proc.poll()  # None: vlbatch itself still runs; else a child holds stderr
+        proc.kill()
+        try:
+            stderr = proc.communicate(timeout=10)[1]
+        except subprocess.TimeoutExpired:
+            stderr = "(still held open by a child process)"
+        raise AssertionError(f"no end 120 s after SIGTERM (exit code then: {exited}); "
+                             f"stderr: {stderr[-3000:]}") from None
     assert proc.returncode == 143, stderr[-2000:]
     assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr
     # closing the engine with a request in it is the shutdown, not a death: no second engine
