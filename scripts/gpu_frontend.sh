@@ -26,6 +26,11 @@
 #                                               bound), fp8 KV, without / with the hold
 #   bash scripts/gpu_frontend.sh w1-if128       W1, engine.max_in_flight 128: requests enter the
 #                                               engine as others finish, not in one burst
+#   bash scripts/gpu_frontend.sh w1-moe | w3-moe   vlbatch W1 / W3 (defaults, W3 with fp8 KV)
+#                                               with vLLM's tuned fused-MoE tile configs of
+#                                               the H200 used on this GPU where vLLM ships none
+#                                               for it (VLLM_TUNED_CONFIG_FOLDER)
+#   bash scripts/gpu_frontend.sh w1-gmu95       vlbatch W1, gpu_memory_utilization 0.95
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh raw-w3         raw as shipped on W3 (4 prompts a page, a
 #                                               page's together): vLLM's own W3 rate
@@ -48,6 +53,19 @@ job() {  # job WORK TASKS [ENGINE SETTING...]: a job file on the W1 pages
     --max-tokens "${MAX_TOKENS:-256}" \
     $(for kv in "$@"; do echo --engine "$kv"; done) > /dev/null
 }
+moe_configs_of_h200() {  # a folder of vLLM's H200 fused-MoE configs named for this GPU
+  python3 - <<'PY'
+import glob, os, shutil, torch, vllm
+name = torch.cuda.get_device_name().replace(" ", "_")
+src = os.path.join(os.path.dirname(vllm.__file__), "model_executor/layers/fused_moe/configs")
+dst = "/tmp/moe-configs"; os.makedirs(dst, exist_ok=True)
+for f in glob.glob(os.path.join(src, "*device_name=NVIDIA_H200*.json")):
+    to = os.path.basename(f).replace("device_name=NVIDIA_H200", "device_name=" + name)
+    if not os.path.exists(os.path.join(src, to)):
+        shutil.copy(f, os.path.join(dst, to))
+print(dst)
+PY
+}
 case $STAGE in
   raw)
     python3 .gpu/models/make_model_dir.py 30b-a3b "$MODEL" > /dev/null
@@ -65,6 +83,7 @@ case $STAGE in
     job /tmp/w3-fp8-kvfp8 4 quantization=fp8 kv_cache_dtype=fp8
     job /tmp/w3-kvfp8 4 kv_cache_dtype=fp8
     job /tmp/w1-if128 1 max_in_flight=128
+    job /tmp/w1-gmu95 1 gpu_memory_utilization=0.95
     job /tmp/w3-kvfp8-share 4 kv_cache_dtype=fp8 share_image_prefix=true
     job /tmp/w3-kvfp8-share-s512 4 kv_cache_dtype=fp8 share_image_prefix=true max_num_seqs=512
     job /tmp/w3-kvfp8-share-k64 4 kv_cache_dtype=fp8 share_image_prefix=true max_pages_starting=64
@@ -92,6 +111,11 @@ case $STAGE in
   raw-w3) step raw-vllm-defaults-w3 380 $B raw --job /tmp/w3/job.yaml --vllm-defaults --warmup 16 ;;
   w1-bf16) step vlbatch-w1-bf16 200 $B vlbatch --job /tmp/w1-bf16/job.yaml --fresh ;;
   w1-nocompile) step vlbatch-w1-nocompile 200 $B vlbatch --job /tmp/w1-nocompile/job.yaml --fresh ;;
+  w1-moe) moe_dir=$(moe_configs_of_h200) && VLLM_TUNED_CONFIG_FOLDER=$moe_dir \
+      step vlbatch-w1-moe 260 $B vlbatch --job /tmp/w1/job.yaml --fresh ;;
+  w3-moe) moe_dir=$(moe_configs_of_h200) && VLLM_TUNED_CONFIG_FOLDER=$moe_dir \
+      step vlbatch-w3-moe 330 $B vlbatch --job /tmp/w3-kvfp8-share-k64/job.yaml --fresh ;;
+  w1-gmu95) step vlbatch-w1-gmu95 260 $B vlbatch --job /tmp/w1-gmu95/job.yaml --fresh ;;
   raw-again) step raw-vllm-defaults-2 380 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
     step vlbatch-w1-shm 220 $B vlbatch --job /tmp/w1-shm/job.yaml --fresh ;;
