@@ -348,3 +348,41 @@ def test_a_run_killed_between_the_pages_commit_and_the_results_commit_leaves_one
     assert_consistent(now)
     assert now["pages"].filter(pl.col("source") == c).height == 1
     assert now["flags"].filter(pl.col("source") == c).height == 1
+
+
+def test_a_task_taken_out_of_the_job_retires_its_rows_and_put_back_comes_from_the_cache(
+        archive, write_job):
+    """The current view is what the current job asks: a task taken out retires its results
+    rows (and its typed rows), a schema task that loses its fields empties its fields table,
+    and a task put back gets its answers from the result cache."""
+    docs, job, out = archive
+    fields = job_fields("fake-model", ["docs/*", "docs/sub/*"])
+    fields["tasks"].append({"name": "flags", "prompt": "Paid?", "max_tokens": 20,
+                            "fields": {"paid": "boolean"}})
+    night(write_job(fields))
+    first = tables(out)
+    assert set(first["results"]["task"]) == {"describe", "json", "flags"}
+    assert first["flags"].height == 7
+
+    fewer = dict(fields, tasks=[fields["tasks"][0]])  # only "describe" now
+    stats, engine = night(write_job(fewer))
+    now = tables(out)
+    assert_consistent(now)
+    assert set(now["results"]["task"]) == {"describe"} and now["results"].height == 7
+    assert now["flags"].height == 0  # no typed row of a task the job does not ask
+    assert stats.rows_retired == 2 * 7 and not engine.requests
+    v0 = pl.read_delta(str(out / "results"), version=0)  # the history keeps every row
+    assert v0.sort(KEY).equals(first["results"].sort(KEY))
+
+    stats, engine = night(write_job(fields))  # put back: from the result cache
+    back = tables(out)
+    assert_consistent(back)
+    assert back["results"].sort(KEY).drop("cached", "run_id", "finished_at").equals(
+        first["results"].sort(KEY).drop("cached", "run_id", "finished_at"))
+    assert back["flags"].height == 7 and not engine.requests
+
+    plain = json.loads(json.dumps(fields))  # "flags" loses its fields: a plain task now
+    del plain["tasks"][2]["fields"]
+    night(write_job(plain))
+    assert tables(out)["flags"].height == 0
+    assert_consistent(tables(out))

@@ -199,7 +199,8 @@ class Dedupe(_Strict):
     max_block_diff: float = Field(default=45.0, ge=0.0, le=255.0, description="Pixel check: "
                                   "the largest 8x8 block difference (re-renders: up to ~36).")
     max_peak_ratio: float = Field(default=2.0, ge=1.0, description="Pixel check: how far the "
-                                  "largest block difference may stand out above the 20th.")
+                                  "largest block difference (of 8x8 blocks, and of 4x4) may stand "
+                                  "out above the 20th.")
     max_spread_diff: float = Field(default=40.0, ge=0.0, le=255.0, description="Pixel check: "
                                    "the 20th largest 8x8 block difference, an absolute bound "
                                    "for changes spread over the page (re-renders: up to ~32).")

@@ -91,7 +91,7 @@ def summary_table(s: RunStats) -> Table:
         ("sources", s.sources), ("pages in scope", s.pages_total),
         ("pages already done", s.pages_already_done), ("pages processed", s.pages_finished),
         ("rows stale (settings changed)", s.rows_stale),
-        ("rows retired (their file or page is gone)", s.rows_retired),
+        ("rows retired (their file, page or task is gone)", s.rows_retired),
         ("requests", s.requests_total), ("generated", s.generated),
         ("rejected by the engine", s.rejected), ("failed in the engine", s.failed),
         ("answers generated twice (looped, broke schema)", s.retried),

@@ -32,7 +32,7 @@ from vlbatch.pipeline.workers import default_workers
 from vlbatch.output.folder import OutputFolder
 from vlbatch.output.migrate import migrate_output, needs_migration
 from vlbatch.output.history import held_among
-from vlbatch.output.retire import retire_stale
+from vlbatch.output.retire import retire_dropped_tasks, retire_stale
 from vlbatch.output.source_index import write_index
 from vlbatch.output.schemas import FIELDS_KEY, PAGE_KEY
 
@@ -173,7 +173,10 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                 # rows no input stands behind now: vanished, moved, shortened, unreadable
                 retired = retire_stale([*(output.fields / t for t in sink.fields),
                                         output.results, output.pages], run_id, plan.pages)
-                stats.rows_retired = retired.get(str(output.results), 0)
+                dropped = retire_dropped_tasks(output.results, output.fields, run_id,
+                                               [t.name for t in job.tasks], sink.fields)
+                stats.rows_retired = (retired.get(str(output.results), 0)
+                                      + dropped.get(str(output.results), 0))
             for opened in (results, features):
                 if opened is not None:
                     stats.cache_corrupt += opened.corrupt

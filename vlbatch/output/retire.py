@@ -5,6 +5,11 @@ have: a file that vanished (or moved: its new path is another source) retires al
 rows, a file now shorter its pages past the new end, a file now unreadable its page rows
 (its error rows have page null), a file readable again its page-null error rows. Each
 table gets one commit; the rows stay in its history.
+
+Likewise a row is current only while the job asks its task: a task taken out of the job
+retires its results rows, and a fields table whose task is gone or no longer has fields
+retires its rows (`retire_dropped_tasks`). Put the task back and its answers come back from
+the result cache, as a prompt changed and changed back does.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from vlbatch.output.table import open_table, retire
+from vlbatch.output.table import commit_properties, open_table, retire
 
 KEY = pa.schema([("source", pa.string()), ("page", pa.int32())])
 
@@ -50,3 +55,40 @@ def retire_stale(tables: list[Path], run_id: str, pages: pa.Table) -> dict:
         if gone:
             retired[str(path)] = gone
     return retired
+
+
+def retire_dropped_tasks(results: Path, fields: Path, run_id: str, tasks: Iterable[str],
+                         typed: Iterable[str]) -> dict:
+    """Retires the results rows of tasks not in `tasks` (the job's) and every row of a
+    fields table (under `fields`) whose task is not in `typed` (the job's schema tasks):
+    fields first, so a reader never sees a typed row without its results row; {table
+    folder: rows retired}."""
+    import polars as pl
+
+    retired = {}
+    typed = set(typed)
+    for folder in sorted(fields.iterdir()) if fields.is_dir() else []:
+        if folder.name in typed or folder.name.startswith("."):
+            continue
+        table = open_table(folder, check_files=False)
+        if table is not None and pl.scan_delta(str(folder)).select(pl.len()).collect().item():
+            gone = _deleted(table.delete(commit_properties=commit_properties(
+                run_id, "retire", reason="the job has no such schema task now")))
+            if gone:
+                retired[str(folder)] = gone
+    table = open_table(results, check_files=False)
+    if table is None:
+        return retired
+    held = pl.scan_delta(str(results)).select("task").unique().collect()["task"].to_list()
+    dropped = sorted(t for t in held if t is not None and t not in set(tasks))
+    if dropped:  # task names are [A-Za-z0-9_.-] (job.py): safe inside quotes
+        predicate = "task IN (" + ", ".join(f"'{t}'" for t in dropped) + ")"
+        gone = _deleted(table.delete(predicate, commit_properties=commit_properties(
+            run_id, "retire", reason="the job asks no such task now")))
+        if gone:
+            retired[str(results)] = gone
+    return retired
+
+
+def _deleted(metrics: dict) -> int:
+    return int(metrics.get("num_deleted_rows", 0) or 0)
