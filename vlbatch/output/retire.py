@@ -80,7 +80,8 @@ def retire_dropped_tasks(results: Path, fields: Path, run_id: str, tasks: Iterab
     if table is None:
         return retired
     held = pl.scan_delta(str(results)).select("task").unique().collect()["task"].to_list()
-    dropped = sorted(t for t in held if t is not None and t not in set(tasks))
+    asked = set(tasks)
+    dropped = sorted(t for t in held if t is not None and t not in asked)
     if dropped:  # task names are [A-Za-z0-9_.-] (job.py): safe inside quotes
         predicate = "task IN (" + ", ".join(f"'{t}'" for t in dropped) + ")"
         gone = _deleted(table.delete(predicate, commit_properties=commit_properties(

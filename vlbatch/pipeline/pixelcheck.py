@@ -148,14 +148,18 @@ class PagePair:
         than at 8x8 (scripts/bench_dedupe.py)."""
         if self.size is None:
             return float("inf"), float("inf")
-        blurred = [np.asarray(grey.filter(ImageFilter.GaussianBlur(0.7)), np.float32)
-                   for grey in self.greys]  # less blur: the mark is a few pixels
-        return _stand_out(_block_means(np.abs(blurred[0] - blurred[1]), FINE_BLOCK))
+        # less blur: the mark is a few pixels
+        return _stand_out(_block_means(self._blurred_difference(0.7), FINE_BLOCK))
 
     @cached_property
     def _block_differences(self) -> np.ndarray:
-        blurred = [np.asarray(grey.filter(ImageFilter.GaussianBlur(1.0)), np.float32) for grey in self.greys]
-        return _block_means(np.abs(blurred[0] - blurred[1]))
+        return _block_means(self._blurred_difference(1.0))
+
+    def _blurred_difference(self, radius: float) -> np.ndarray:
+        """|a - b| per pixel, both pages in grey blurred by `radius`."""
+        blurred = [np.asarray(grey.filter(ImageFilter.GaussianBlur(radius)), np.float32)
+                   for grey in self.greys]
+        return np.abs(blurred[0] - blurred[1])
 
 
     def colour_difference(self) -> float:
