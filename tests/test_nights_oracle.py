@@ -2,7 +2,9 @@
 output's current results, pages and typed rows are what one run over the final state, into
 a new output folder with an empty cache, writes. Each night one random change: a file deleted, added, copied,
 moved, rewritten, cut short, grown, broken, two files swapped, touched; a prompt changed
-(or back), a task added or taken out, a glob narrowed or widened, the tables compacted.
+(or back), a task added, taken out or renamed, its answer length or its fields' type
+changed, the render resolution changed, a glob narrowed or widened, the cache folder
+deleted, the tables compacted.
 The engine is scripted (an answer is a function of the page's pixels and the prompt), so
 the two runs' answers are comparable; it is not the subject here."""
 
@@ -30,13 +32,20 @@ from vlbatch.run import run_job
 KEY = ["source", "page", "task"]
 COLUMNS = [*KEY, "output", "status"]
 CHANGES = ["delete", "add", "copy", "move", "rewrite", "cut", "grow", "break", "swap", "touch",
-           "prompt", "task+", "task-", "glob", "compact"]
+           "prompt", "task+", "task-", "glob", "compact", "dpi", "tokens", "fieldtype",
+           "rename", "wipe"]
 
 
 def answer(request):
+    task = request.task
     pixels = hashlib.md5(request.image.tobytes()).hexdigest()[:10]
-    text = f"{request.task.name}|{request.text}|{pixels}|{request.image.width}x{request.image.height}"
-    return (json.dumps({"paid": int(pixels, 16) % 2 == 0}) if request.task.fields else text), "stop"
+    text = (f"{task.name}|{request.text}|{pixels}|{request.image.width}x{request.image.height}"
+            f"|{task.max_tokens}")
+    if not task.fields:
+        return text, "stop"
+    paid = int(pixels, 16) % 2 == 0
+    typed = paid if json.loads(task.fields)["paid"] == "boolean" else ("yes" if paid else "no")
+    return json.dumps({"paid": typed}), "stop"
 
 
 def night(job_path: Path) -> None:
@@ -49,10 +58,10 @@ def current(out: Path) -> dict[str, pl.DataFrame]:
     tables = {"results": pl.read_delta(str(out / "results")).select(COLUMNS),
               "pages": pl.read_delta(str(out / "pages")).select(
                   "source", "page", "width", "height", "content_hash")}
-    typed = out / "fields" / "flags"
-    tables["flags"] = (pl.read_delta(str(typed)).select(*KEY, "paid") if typed.exists()
-                       else pl.DataFrame(schema={**tables["results"].select(KEY).schema,
-                                                 "paid": pl.Boolean}))
+    for typed in sorted((out / "fields").glob("*")):  # a table emptied by retirement is none
+        rows = pl.read_delta(str(typed))
+        if rows.height:
+            tables[f"fields/{typed.name}"] = rows.select(*KEY, "paid")
     return {name: t.sort(t.columns, nulls_last=True) for name, t in tables.items()}
 
 
@@ -135,6 +144,19 @@ class Archive:
         if kind == "task-" and len(tasks) > 1:
             tasks.pop(rng.randrange(1, len(tasks)))
             return "task-"
+        if kind == "rename" and len(tasks) == 3:
+            tasks[2]["name"] = "checks" if tasks[2]["name"] == "flags" else "flags"
+            return f"rename {tasks[2]['name']}"
+        if kind == "fieldtype" and len(tasks) == 3:
+            now = tasks[2]["fields"]["paid"]
+            tasks[2]["fields"] = {"paid": "string" if now == "boolean" else "boolean"}
+            return f"fieldtype {tasks[2]['fields']['paid']}"
+        if kind == "tokens":
+            tasks[0]["max_tokens"] = rng.choice([8, 9, 10])
+            return f"tokens {tasks[0]['max_tokens']}"
+        if kind == "dpi":
+            self.job["render"]["dpi"] = rng.choice([60, 72, 90])
+            return f"dpi {self.job['render']['dpi']}"
         if kind == "glob":
             wide = len(self.job["inputs"]) == 2
             self.job["inputs"] = ["docs/*"] if wide else ["docs/*", "docs/sub/*"]
@@ -151,6 +173,7 @@ def test_every_night_the_current_rows_are_a_fresh_runs(tmp_path, write_job, seed
         fresh = dict(archive.job, output=f"fresh-{n}", cache=f"fresh-cache-{n}")
         night(write_job(fresh, name="fresh.yaml"))
         got, want = current(tmp_path / "out"), current(tmp_path / f"fresh-{n}")
+        assert got.keys() == want.keys(), (n + 1, done)
         for name in got:
             mine, theirs = got[name], want[name]
             if not mine.equals(theirs):
@@ -160,6 +183,8 @@ def test_every_night_the_current_rows_are_a_fresh_runs(tmp_path, write_job, seed
                             f"\nonly in the fresh run's:\n"
                             f"{theirs.join(mine, on=on, how='anti', nulls_equal=True)}")
         done.append(archive.change(rng.choice(CHANGES)))
+        if done[-1] == "wipe":  # the cache folder lost: the output alone says what is done
+            shutil.rmtree(tmp_path / "cache", ignore_errors=True)
         if done[-1] == "compact":
             compacted = subprocess.run([sys.executable, "-m", "vlbatch", "compact",
                                         str(tmp_path / "out")], capture_output=True, text=True,
