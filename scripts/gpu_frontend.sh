@@ -32,6 +32,9 @@
 #                                               for it (VLLM_TUNED_CONFIG_FOLDER)
 #   bash scripts/gpu_frontend.sh w1-gmu95       vlbatch W1, gpu_memory_utilization 0.95
 #   bash scripts/gpu_frontend.sh w3-gmu95       W3 (fp8 KV, held, K 64), gpu_memory_utilization 0.95
+#   bash scripts/gpu_frontend.sh w3-profile | w1-profile   W3 K 64 / W1 with py-spy (carried in
+#                                               .gpu/pyspy) on the engine core and the run for
+#                                               20 s of generation: profile-*.txt (collapsed)
 #   bash scripts/gpu_frontend.sh w1-gmu95-moe | w3-gmu95-moe   both levers at once
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh raw-w3         raw as shipped on W3 (4 prompts a page, a
@@ -67,6 +70,21 @@ for f in glob.glob(os.path.join(src, "*device_name=NVIDIA_H200*.json")):
         shutil.copy(f, os.path.join(dst, to))
 print(dst)
 PY
+}
+profile_engine_core() {  # profile_engine_core LOG SECONDS: py-spy on vLLM's engine core and
+  # the run's own process once LOG shows generation under way (collapsed stacks under $OUT)
+  local log=$1 seconds=$2
+  local spy=/tmp/pyspy/py-spy
+  mkdir -p /tmp/pyspy
+  python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('.gpu/pyspy/*.whl')[0]); \
+open('$spy', 'wb').write(z.read(next(n for n in z.namelist() if n.endswith('scripts/py-spy'))))"
+  chmod +x "$spy"
+  ( for _ in $(seq 600); do grep -q "progress .*[1-9][0-9]* generated" "$log" 2>/dev/null && break; sleep 0.5; done
+    core=$(pgrep -f EngineCore | head -1); main=$(pgrep -f "^python3 scripts/bench_gpu.py vlbatch" | head -1)
+    echo "engine core $core, main $main" > "$OUT/profile.txt"
+    $spy record -d "$seconds" -r 50 --nonblocking --idle --threads --format raw -o "$OUT/profile-core.txt" -p "$core" >> "$OUT/profile.txt" 2>&1 &
+    $spy record -d "$seconds" -r 50 --nonblocking --threads --format raw -o "$OUT/profile-main.txt" -p "$main" >> "$OUT/profile.txt" 2>&1
+    wait ) &
 }
 case $STAGE in
   raw)
@@ -123,6 +141,10 @@ case $STAGE in
   w3-gmu95-moe) moe_dir=$(moe_configs_of_h200) && VLLM_TUNED_CONFIG_FOLDER=$moe_dir \
       step vlbatch-w3-gmu95-moe 330 $B vlbatch --job /tmp/w3-gmu95/job.yaml --fresh ;;
   w3-gmu95) step vlbatch-w3-gmu95 330 $B vlbatch --job /tmp/w3-gmu95/job.yaml --fresh ;;
+  w3-profile) profile_engine_core "$OUT/vlbatch-w3-profile.log" 20
+      step vlbatch-w3-profile 330 $B vlbatch --job /tmp/w3-kvfp8-share-k64/job.yaml --fresh; wait ;;
+  w1-profile) profile_engine_core "$OUT/vlbatch-w1-profile.log" 15
+      step vlbatch-w1-profile 260 $B vlbatch --job /tmp/w1/job.yaml --fresh; wait ;;
   w1-gmu95) step vlbatch-w1-gmu95 260 $B vlbatch --job /tmp/w1-gmu95/job.yaml --fresh ;;
   raw-again) step raw-vllm-defaults-2 380 $B raw --job /tmp/w1/job.yaml --vllm-defaults --warmup 16 ;;
   shm)
