@@ -222,6 +222,34 @@ def test_a_file_name_that_is_not_utf8_is_an_error_row_and_the_night_goes_on(arch
     assert engine.requests == [] and inputs["counts"]["unreadable"] == 1
 
 
+def test_a_link_to_nothing_and_a_fifo_are_error_rows_and_the_link_mended_is_read(archive):
+    """A share not mounted leaves links to nothing; a FIFO blocks whoever opens it. Both
+    are error rows with their reason, never opened, and the night goes on; the night the
+    link's target is back, its pages are answered and its error row is gone."""
+    docs, night, out = archive
+    shared = docs.parent / "share"
+    (docs / "mounted.png").symlink_to(shared / "scan.png")
+    os.mkfifo(docs / "pipe.png")
+    stats, engine, inputs = night()
+    assert len(engine.requests) == 4 and inputs["counts"]["unreadable"] == 2
+    results = pl.read_delta(str(out / "results"))
+    failed = dict(results.filter(pl.col("status") == "error").select("source", "error").rows())
+    assert failed == {
+        str(docs / "mounted.png"): f"cannot read file: a link to {shared / 'scan.png'}, "
+                                   "which does not exist",
+        str(docs / "pipe.png"): "cannot read file: not a regular file (a FIFO)"}
+    shared.mkdir()
+    image(shared / "scan.png", 9)
+    age(shared / "scan.png")
+    stats, engine, inputs = night()
+    assert len(engine.requests) == 1 and inputs["counts"]["unreadable"] == 1
+    assert str(docs / "mounted.png") in written(out, stats.run_id)
+    results = pl.read_delta(str(out / "results"))
+    assert results.filter(pl.col("source") == str(docs / "mounted.png"))["status"].to_list() \
+        == ["ok"]
+    assert results.filter(pl.col("status") == "error")["source"].to_list() == [str(docs / "pipe.png")]
+
+
 def test_the_index_schema_in_polars_types_is_the_arrow_schema():
     from vlbatch.output.source_index import INDEX_SCHEMA, index_polars_schema
 
@@ -241,5 +269,8 @@ def test_matched_files_in_columns_are_the_matched_inputs(tmp_path):
     patterns = ["**/*.png", str(tmp_path / "z.png"), "a/*"]
     frame = stat_inputs(patterns, tmp_path)
     assert list(zip(frame["shown"], frame["path"])) == match_inputs(patterns, tmp_path)
-    assert frame["shown"].to_list() == ["a/b/x.png", "a/w.txt", "a/y.png", "link.png", "z.png"]
-    assert frame["size"].to_list() == [9, 7, 7, 5, 5] and frame["read_error"].null_count() == 5
+    assert frame["shown"].to_list() == ["a/b/x.png", "a/w.txt", "a/y.png", "dangling.png",
+                                        "link.png", "z.png"]
+    assert frame["read_error"].to_list()[3].endswith("gone.png, which does not exist")
+    assert frame["read_error"].null_count() == 5
+    assert frame.filter(pl.col("read_error").is_null())["size"].to_list() == [9, 7, 7, 5, 5]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -25,22 +26,53 @@ def file_sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def iter_matches(patterns: list[str], base_dir: Path) -> Iterator[tuple[str, str, os.stat_result]]:
-    """(path as matched, absolute path normalised, its stat) for each regular file (or link
-    to one) each glob matches, in glob order, one stat a file; a path two globs match comes
-    twice (the callers keep the first)."""
+def iter_matches(patterns: list[str], base_dir: Path
+                 ) -> Iterator[tuple[str, str, os.stat_result, str | None]]:
+    """(path as matched, absolute path normalised, its stat, why it cannot be read or None)
+    for each file each glob matches, in glob order, one stat a file; a path two globs match
+    comes twice (the callers keep the first). Folders are not inputs. A link to nothing (a
+    share not mounted) or a loop of links, and what is not a regular file (a FIFO, a socket,
+    a device: opening one can block for ever), are inputs that cannot be read: never opened,
+    with the reason (and the link's own stat)."""
     for pattern in patterns:
         absolute_pattern = os.path.isabs(pattern)
         matches = glob.iglob(pattern, recursive=True) if absolute_pattern else \
             glob.iglob(pattern, root_dir=base_dir, recursive=True)
         for shown in matches:
             absolute = shown if absolute_pattern else os.path.join(base_dir, shown)
+            normal = os.path.normpath(os.path.abspath(absolute))
             try:
                 st = os.stat(absolute)
-            except OSError:  # a dangling link, or gone since the folder was listed
+            except OSError as e:
+                try:
+                    link = os.lstat(absolute)
+                except OSError:  # gone since the folder was listed
+                    continue
+                if stat.S_ISLNK(link.st_mode):
+                    yield shown, normal, link, _broken_link(absolute, e)
                 continue
             if stat.S_ISREG(st.st_mode):
-                yield shown, os.path.normpath(os.path.abspath(absolute)), st
+                yield shown, normal, st, None
+            elif not stat.S_ISDIR(st.st_mode):
+                yield shown, normal, st, f"cannot read file: not a regular file ({_kind(st)})"
+
+
+def _broken_link(path: str, error: OSError) -> str:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    if error.errno == errno.ELOOP:
+        return f"cannot read file: a loop of links ({target})"
+    if error.errno == errno.ENOENT:
+        return f"cannot read file: a link to {target}, which does not exist"
+    return f"cannot read file: a link to {target}, which cannot be followed ({error.strerror})"
+
+
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
 
 
 def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:
@@ -50,15 +82,23 @@ def match_inputs(patterns: list[str], base_dir: Path) -> list[tuple[str, str]]:
     are two inputs with rows of their own (their pages are exact copies, so the second is
     copied from the first, not generated again); two globs matching one path give it once.
     (survey.stat_inputs is the same in columns, with the stat.)"""
-    found: dict[str, str] = {}
-    for shown, absolute, _ in iter_matches(patterns, base_dir):
-        found.setdefault(absolute, shown)
-    return sorted(((shown, real) for real, shown in found.items()), key=lambda p: p[0])
+    return [(shown, absolute) for shown, absolute, _ in _matched(patterns, base_dir)]
+
+
+def _matched(patterns: list[str], base_dir: Path) -> list[tuple[str, str, str | None]]:
+    found: dict[str, tuple[str, str | None]] = {}
+    for shown, absolute, _, error in iter_matches(patterns, base_dir):
+        found.setdefault(absolute, (shown, error))
+    return sorted(((shown, real, error) for real, (shown, error) in found.items()),
+                  key=lambda p: p[0])
 
 
 def discover(patterns: list[str], base_dir: Path) -> list[Source]:
     sources = []
-    for shown, absolute in match_inputs(patterns, base_dir):
+    for shown, absolute, error in _matched(patterns, base_dir):
+        if error:
+            sources.append(Source(shown, absolute, 0, None, error))
+            continue
         try:
             sources.append(Source(shown, absolute, os.path.getsize(absolute), file_sha256(absolute)))
         except OSError as e:

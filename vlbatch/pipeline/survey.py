@@ -98,9 +98,9 @@ def stat_inputs(patterns: list[str], base_dir) -> pl.DataFrame:
         for values in columns.values():
             values.clear()
 
-    for shown, path, st in iter_matches(patterns, base_dir):
+    for shown, path, st, error in iter_matches(patterns, base_dir):
         values = (shown, path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
-                  None)
+                  error)
         if not (path.isascii() and shown.isascii()) and not _is_text(path + shown):
             values = (_escaped(shown), _escaped(path), 0, 0, 0, 0, 0,
                       "cannot read file: its name is not valid UTF-8 (shown with \\x escapes); "
