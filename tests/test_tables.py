@@ -292,6 +292,43 @@ writer.flush()
 """
 
 
+DIES_AT_FIRST_REQUEST = """
+import os, sys
+sys.path.insert(0, "tests")
+from fakes import ScriptedEngine, fake_prompts
+from vlbatch.job import load_job
+from vlbatch.run import run_job
+run_job(load_job(sys.argv[1]), engine_factory=lambda j, p: ScriptedEngine(lambda r: os._exit(9)),
+        prompts_factory=fake_prompts)
+"""
+
+
+def test_a_night_killed_before_its_first_answer_shows_no_row_of_a_gone_file_or_page(archive):
+    """What no input stands behind any more is retired before the night generates: a night
+    killed (SIGKILL, power loss) before it ends leaves no row of a deleted file or of a
+    shortened file's lost pages in the current view, only rows still to do."""
+    import subprocess
+    import sys
+
+    docs, job, out = archive
+    night(job)
+    (docs / "c.pdf").unlink()
+    oddfiles.pdf(docs / "b.pdf", pages=1, text="file b")  # its first page only
+    oddfiles.pdf(docs / "e.pdf", pages=1, text="file e")  # new: to generate
+    died = subprocess.run([sys.executable, "-c", DIES_AT_FIRST_REQUEST, str(job)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert died.returncode == 9, died.stderr[-2000:]
+    now = tables(out)
+    assert_consistent(now)
+    pages = {(Path(s).name, p) for s, p in now["results"].select("source", "page").rows()}
+    assert pages == {("a.pdf", 1), ("a.pdf", 2), ("b.pdf", 1), ("d.jpg", 1)}
+    assert {(Path(s).name, p) for s, p in now["pages"].select("source", "page").rows()} == pages
+    night(job)  # the next night does the rest
+    done = tables(out)
+    assert_consistent(done)
+    assert {Path(s).name for s in done["results"]["source"]} == {"a.pdf", "b.pdf", "d.jpg", "e.pdf"}
+
+
 def test_sigkill_between_a_flushs_data_files_and_its_commit_leaves_the_last_version(
         archive, tmp_path):
     """A real SIGKILL of a process in the middle of a large flush, once its data files are

@@ -132,6 +132,10 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
                                        retry_errors)
                 survey = None  # the night's files and index: given back
                 lap("todo_s")
+                # before anything is generated, so a night killed midway shows none of them
+                stats.rows_retired = _retire_what_is_gone(job, output, list(sink.fields), run_id,
+                                                         plan)
+                lap("retire_s")
                 sink.history = plan.history
                 if plan.todo:  # which of the keys to do the pages and fields tables hold
                     pages = plan.todo_keys.select("source", "page")
@@ -169,14 +173,6 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
             background.shutdown(wait=False)
             lap()
             sink.close()
-            if plan is not None and closing_error is None:
-                # rows no input stands behind now: vanished, moved, shortened, unreadable
-                retired = retire_stale([*(output.fields / t for t in sink.fields),
-                                        output.results, output.pages], run_id, plan.pages)
-                dropped = retire_dropped_tasks(output.results, output.fields, run_id,
-                                               [t.name for t in job.tasks], sink.fields)
-                stats.rows_retired = (retired.get(str(output.results), 0)
-                                      + dropped.get(str(output.results), 0))
             for opened in (results, features):
                 if opened is not None:
                     stats.cache_corrupt += opened.corrupt
@@ -201,6 +197,17 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
     if budget_error is not None:
         raise budget_error
     return stats
+
+
+def _retire_what_is_gone(job: Job, output: OutputFolder, typed: list[str], run_id: str,
+                         plan) -> int:
+    """Retires the rows no input or task stands behind now (vanished, moved, shortened or
+    unreadable files; tasks taken out of the job); the results rows retired."""
+    retired = retire_stale([*(output.fields / t for t in typed), output.results, output.pages],
+                           run_id, plan.pages)
+    dropped = retire_dropped_tasks(output.results, output.fields, run_id,
+                                   [t.name for t in job.tasks], typed)
+    return retired.get(str(output.results), 0) + dropped.get(str(output.results), 0)
 
 
 def _write_report(output: OutputFolder, run_id: str) -> None:
