@@ -36,6 +36,9 @@
 #                                               .gpu/pyspy) on the engine core and the run for
 #                                               20 s of generation: profile-*.txt (collapsed)
 #   bash scripts/gpu_frontend.sh w1-gmu95-moe | w3-gmu95-moe   both levers at once
+#   bash scripts/gpu_frontend.sh w3-bf16        W3 (fp8 KV, held, K 64) with bfloat16 pixels
+#                                               (engine.pixels_in_model_dtype true): half the
+#                                               bytes the engine core copies a step
 #   bash scripts/gpu_frontend.sh raw-again      raw W1 once more (its engine start warm)
 #   bash scripts/gpu_frontend.sh raw-w3         raw as shipped on W3 (4 prompts a page, a
 #                                               page's together): vLLM's own W3 rate
@@ -105,6 +108,7 @@ case $STAGE in
     job /tmp/w1-if128 1 max_in_flight=128
     job /tmp/w1-gmu95 1 gpu_memory_utilization=0.95
     job /tmp/w3-gmu95 4 kv_cache_dtype=fp8 gpu_memory_utilization=0.95
+    job /tmp/w3-bf16 4 kv_cache_dtype=fp8 pixels_in_model_dtype=true
     job /tmp/w3-kvfp8-share 4 kv_cache_dtype=fp8 share_image_prefix=true
     job /tmp/w3-kvfp8-share-s512 4 kv_cache_dtype=fp8 share_image_prefix=true max_num_seqs=512
     job /tmp/w3-kvfp8-share-k64 4 kv_cache_dtype=fp8 share_image_prefix=true max_pages_starting=64
@@ -140,6 +144,7 @@ case $STAGE in
       step vlbatch-w1-gmu95-moe 260 $B vlbatch --job /tmp/w1-gmu95/job.yaml --fresh ;;
   w3-gmu95-moe) moe_dir=$(moe_configs_of_h200) && VLLM_TUNED_CONFIG_FOLDER=$moe_dir \
       step vlbatch-w3-gmu95-moe 330 $B vlbatch --job /tmp/w3-gmu95/job.yaml --fresh ;;
+  w3-bf16) step vlbatch-w3-bf16 330 $B vlbatch --job /tmp/w3-bf16/job.yaml --fresh ;;
   w3-gmu95) step vlbatch-w3-gmu95 330 $B vlbatch --job /tmp/w3-gmu95/job.yaml --fresh ;;
   w3-profile) profile_engine_core "$OUT/vlbatch-w3-profile.log" 20
       step vlbatch-w3-profile 330 $B vlbatch --job /tmp/w3-kvfp8-share-k64/job.yaml --fresh; wait ;;
