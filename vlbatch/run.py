@@ -200,7 +200,7 @@ def run_job(job: Job, *, limit: int | None = None, retry_errors: bool = False,
 
 
 def _retire_what_is_gone(job: Job, output: OutputFolder, typed: list[str], run_id: str,
-                         plan) -> int:
+                         plan: scope.Plan) -> int:
     """Retires the rows no input or task stands behind now (vanished, moved, shortened or
     unreadable files; tasks taken out of the job); the results rows retired."""
     retired = retire_stale([*(output.fields / t for t in typed), output.results, output.pages],
