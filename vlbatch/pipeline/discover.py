@@ -96,7 +96,7 @@ def _matched(patterns: list[str], base_dir: Path) -> list[tuple[str, str, str | 
 def discover(patterns: list[str], base_dir: Path) -> list[Source]:
     sources = []
     for shown, absolute, error in _matched(patterns, base_dir):
-        if error:
+        if error is not None:  # never opened (iter_matches)
             sources.append(Source(shown, absolute, 0, None, error))
             continue
         try:
